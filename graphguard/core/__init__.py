@@ -1,0 +1,1 @@
+"""The graph lifecycle: keys, backends, entries, cache, admission, parity, metrics, runner."""

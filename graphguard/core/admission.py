@@ -1,0 +1,188 @@
+"""When a key earns a capture.
+
+Capture-on-miss under a byte budget thrashes when more shapes are live than the budget holds:
+every call evicts one graph and captures another, and the runner becomes slower than eager. This
+policy decides *whether* to capture, not only what to evict:
+
+1. earned capture: a key is captured only once it has been seen `min_hits` times;
+2. capture-work budget: time spent capturing (warm-up, capture and parity check) stays under
+   `max_capture_fraction` of wall time over a sliding `capture_window_s`;
+3. frequency-aware replacement: a key that would evict resident graphs is captured only if it is
+   used more often than each of them (count-min sketch with aging: TinyLFU);
+4. thrash backoff: a key evicted and recaptured `max_recaptures` times inside `thrash_window_s`
+   is backed off exponentially (reason `thrashing`);
+5. quarantine: a failed capture or a parity mismatch backs the key off exponentially;
+6. mode "prewarmed": only keys captured by warmup() may replay; lazy capture is off.
+
+Every decision reads the injected clock, so tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from graphguard.core.keys import GraphKey
+from graphguard.core.reasons import FallbackReason
+from graphguard.core.sketch import FrequencySketch
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Admission policy settings (see module docstring for the rules)."""
+
+    min_hits: int = 2
+    capture_window_s: float = 60.0
+    max_capture_fraction: float = 0.05
+    frequency_aware: bool = True
+    thrash_window_s: float = 60.0
+    max_recaptures: int = 2
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 300.0
+    mode: str = "lazy"  # "lazy" | "prewarmed"
+
+    def __post_init__(self) -> None:
+        if self.min_hits < 1:
+            raise ValueError(f"min_hits must be >= 1, got {self.min_hits}")
+        if not 0 < self.max_capture_fraction <= 1:
+            raise ValueError(
+                f"max_capture_fraction must be in (0, 1], got {self.max_capture_fraction}"
+            )
+        if self.mode not in ("lazy", "prewarmed"):
+            raise ValueError(f"mode must be 'lazy' or 'prewarmed', got {self.mode!r}")
+        if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_initial_s must be > 0 and <= backoff_max_s")
+
+
+@dataclass
+class _Backoff:
+    until: float = 0.0
+    delay_s: float = 0.0
+    count: int = 0
+
+
+@dataclass
+class AdmissionCounters:
+    deferred: int = 0
+    thrash_backoffs: int = 0
+    quarantines: int = 0
+    capture_seconds: float = 0.0
+
+
+@dataclass
+class AdmissionPolicy:
+    """Stateful admission decisions for one runner. Not thread-safe: the runner's lock guards it."""
+
+    config: AdmissionConfig = field(default_factory=AdmissionConfig)
+    clock: Clock = field(default=lambda: 0.0)
+
+    def __post_init__(self) -> None:
+        self.sketch = FrequencySketch()
+        self.counters = AdmissionCounters()
+        self.size_hints: dict[GraphKey, int] = {}
+        self.prewarmed: set[GraphKey] = set()
+        self._hits: dict[GraphKey, int] = {}
+        self._captures: deque[tuple[float, float]] = deque()  # (end time, seconds)
+        self._evicted_at: dict[GraphKey, deque[float]] = {}
+        self._quarantine: dict[GraphKey, _Backoff] = {}
+        self._thrash: dict[GraphKey, _Backoff] = {}
+
+    # -- observations ----------------------------------------------------------------------
+    def record_call(self, key: GraphKey) -> None:
+        self.sketch.add(key)
+        if key not in self.prewarmed:
+            self._hits[key] = min(self._hits.get(key, 0) + 1, self.config.min_hits)
+
+    def record_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
+        now = self.clock()
+        self._captures.append((now, seconds))
+        self.counters.capture_seconds += seconds
+        self.size_hints[key] = resident_bytes
+        self._note_recapture(key, now)
+
+    def record_eviction(self, key: GraphKey) -> None:
+        self._evicted_at.setdefault(key, deque()).append(self.clock())
+
+    def quarantine(self, key: GraphKey) -> float:
+        """Back the key off after a failure; returns the delay in seconds."""
+        self.counters.quarantines += 1
+        return self._back_off(self._quarantine, key)
+
+    # -- decisions -------------------------------------------------------------------------
+    def blocked(self, key: GraphKey) -> FallbackReason | None:
+        """Reasons a key may not capture now, whatever the cache holds."""
+        now = self.clock()
+        if self._active(self._quarantine, key, now):
+            return FallbackReason.QUARANTINED
+        if self._active(self._thrash, key, now):
+            return FallbackReason.THRASHING
+        if self.config.mode == "prewarmed":
+            return FallbackReason.NOT_PREWARMED
+        if self._hits.get(key, 0) < self.config.min_hits or self._over_capture_budget(now):
+            self.counters.deferred += 1
+            return FallbackReason.ADMISSION_DEFERRED
+        return None
+
+    def blocked_for_warmup(self, key: GraphKey) -> FallbackReason | None:
+        """Warm-up skips earned-capture and frequency rules, not quarantine or thrash backoff."""
+        now = self.clock()
+        if self._active(self._quarantine, key, now):
+            return FallbackReason.QUARANTINED
+        if self._active(self._thrash, key, now):
+            return FallbackReason.THRASHING
+        return None
+
+    def worth_evicting(self, key: GraphKey, victims: Iterable[GraphKey]) -> bool:
+        """TinyLFU: the candidate must be used more often than every graph it would evict."""
+        if not self.config.frequency_aware:
+            return True
+        candidate = self.sketch.estimate(key)
+        if all(candidate > self.sketch.estimate(v) for v in victims):
+            return True
+        self.counters.deferred += 1
+        return False
+
+    def is_quarantined(self, key: GraphKey) -> bool:
+        return self._active(self._quarantine, key, self.clock())
+
+    def num_quarantined(self) -> int:
+        now = self.clock()
+        return sum(1 for b in self._quarantine.values() if b.until > now)
+
+    # -- internals -------------------------------------------------------------------------
+    def _over_capture_budget(self, now: float) -> bool:
+        window = self.config.capture_window_s
+        while self._captures and self._captures[0][0] < now - window:
+            self._captures.popleft()
+        spent = math.fsum(seconds for _, seconds in self._captures)
+        return spent >= self.config.max_capture_fraction * window
+
+    def _note_recapture(self, key: GraphKey, now: float) -> None:
+        evictions = self._evicted_at.get(key)
+        if not evictions:
+            return
+        while evictions and evictions[0] < now - self.config.thrash_window_s:
+            evictions.popleft()
+        if len(evictions) >= self.config.max_recaptures:
+            evictions.clear()
+            self.counters.thrash_backoffs += 1
+            self._back_off(self._thrash, key)
+
+    def _back_off(self, table: dict[GraphKey, _Backoff], key: GraphKey) -> float:
+        backoff = table.setdefault(key, _Backoff())
+        if backoff.delay_s:
+            backoff.delay_s = min(backoff.delay_s * 2, self.config.backoff_max_s)
+        else:
+            backoff.delay_s = self.config.backoff_initial_s
+        backoff.count += 1
+        backoff.until = self.clock() + backoff.delay_s
+        return backoff.delay_s
+
+    @staticmethod
+    def _active(table: dict[GraphKey, _Backoff], key: GraphKey, now: float) -> bool:
+        backoff = table.get(key)
+        return backoff is not None and backoff.until > now

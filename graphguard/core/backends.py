@@ -1,0 +1,285 @@
+"""Backends: how a graph is captured, replayed and measured.
+
+CudaBackend drives torch.cuda.CUDAGraph. SimBackend is the CPU stand-in that lets CI exercise
+every lifecycle rule: "capture" runs the function under a dispatch mode that rejects the
+host-synchronizing ops a real capture rejects, "replay" re-runs it into the same static output
+tensors (so aliasing and overwrite-on-next-replay behave as on CUDA), and resident bytes are
+computed deterministically. SimBackend is not a performance path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+Work = Callable[[], None]
+# Segments of a CUDA private pool come in 2 MiB steps for small allocations; the simulation
+# rounds the same way, so a 1 MiB budget admits nothing on either backend.
+SIM_SEGMENT_BYTES = 2 << 20
+
+
+class CaptureError(RuntimeError):
+    """Capture of a graph failed; the stream is no longer capturing."""
+
+
+class Backend(Protocol):
+    """What GraphEntry and GraphRunner need from a graph implementation."""
+
+    name: str
+    device: torch.device
+
+    def new_stream(self) -> Any: ...
+    def new_pool(self) -> Any: ...
+    def new_event(self) -> Any: ...
+    def capture(
+        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+    ) -> tuple[Any, Any]: ...
+    def launch(self, stream: Any, event: Any, work: Work) -> None: ...
+    def wait(self, event: Any) -> None: ...
+    def reset(self, graph: Any) -> None: ...
+    def pool_reserved_bytes(self, pool: Any) -> int: ...
+    def trim(self) -> None: ...
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class CudaBackend:
+    """torch.cuda.CUDAGraph with a private pool and a capture stream per entry."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | int | str | None = None, num_warmup: int = 2):
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='cuda' needs CUDA, and torch.cuda.is_available() is False")
+        self.device = _cuda_device(device)
+        self.num_warmup = num_warmup
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def capture(
+        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+    ) -> tuple[Any, Any]:
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for _ in range(self.num_warmup):  # warm-up on the entry's own stream
+                fn(*args)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
+            # __enter__ synchronizes the whole device and empties the allocator cache.
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*args)
+            except BaseException as exc:
+                _end_failed_capture(graph)
+                raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+            try:
+                graph.capture_end()
+                graph.instantiate()
+            except RuntimeError as exc:
+                graph.reset()
+                raise CaptureError(str(exc)) from exc
+        caller.wait_stream(stream)
+        return graph, outputs
+
+    def launch(self, stream: Any, event: Any, work: Work) -> None:
+        # The replay waits on the caller's stream; the caller's stream then waits on the replay.
+        caller = torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            work()
+            event.record(stream)
+        caller.wait_event(event)
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()  # a host wait on that event, never on the current stream
+
+    def reset(self, graph: Any) -> None:
+        graph.reset()
+
+    def pool_reserved_bytes(self, pool: Any) -> int:
+        wanted = tuple(pool)
+        return sum(
+            int(seg["total_size"])
+            for seg in torch.cuda.memory_snapshot()
+            if tuple(seg.get("segment_pool_id", ())) == wanted
+        )
+
+    def trim(self) -> None:
+        torch.cuda.empty_cache()
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+
+def _cuda_device(device: torch.device | int | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if parsed.type != "cuda":
+        raise ValueError(f"CudaBackend needs a CUDA device, got {parsed}")
+    index = parsed.index if parsed.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", index)
+
+
+def _end_failed_capture(graph: Any) -> None:
+    """End an invalidated capture so that no stream is left capturing."""
+    try:
+        graph.capture_end()
+    except RuntimeError:
+        pass  # the capture was invalidated; ending it is all we need
+    graph.reset()
+
+
+# Ops that synchronize with the host, so a CUDA stream capture rejects them.
+_HOST_SYNC_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique_dim",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::equal",
+    "aten::is_nonzero",
+    "aten::allclose",
+}
+
+
+class _RejectHostSync(TorchDispatchMode):
+    """Rejects host syncs like a capturing CUDA stream, and counts the bytes ops allocate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allocated_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in _HOST_SYNC_OPS or (name == "aten::repeat_interleave" and not kwargs):
+            raise RuntimeError(
+                f"operation not permitted when stream is capturing ({name} synchronizes with "
+                "the host)"
+            )
+        out = func(*args, **(kwargs or {}))
+        leaves, _ = tree_flatten(out)
+        self.allocated_bytes += sum(
+            t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)
+        )
+        return out
+
+
+class SimGraph:
+    """A simulated graph: replay re-runs the function and writes the static outputs in place."""
+
+    def __init__(self, fn: Callable[..., Any], args: list[Any], outputs: Any):
+        self.fn: Callable[..., Any] | None = fn
+        self.args: list[Any] | None = args
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        if self.fn is None or self.args is None:
+            raise RuntimeError("replay of a SimGraph after reset")
+        with torch.no_grad():
+            fresh = self.fn(*self.args)
+        for static, new in zip(tree_flatten(self.outputs)[0], tree_flatten(fresh)[0], strict=True):
+            static.copy_(new)
+
+    def reset(self) -> None:
+        self.fn = self.args = None
+        self.outputs = None
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self.num_records = 0
+
+    def record(self) -> None:
+        self.num_records += 1
+
+
+class SimBackend:
+    """CPU stand-in with the CUDA backend's contracts (see module docstring)."""
+
+    name = "sim"
+
+    def __init__(self, segment_bytes: int = SIM_SEGMENT_BYTES):
+        self.device = torch.device("cpu")
+        self.segment_bytes = segment_bytes
+        self._ids = itertools.count(1)
+        self._pool_bytes: dict[int, int] = {}
+        self.num_captures = 0
+        self.num_trims = 0
+
+    def new_stream(self) -> int:
+        return next(self._ids)
+
+    def new_pool(self) -> tuple[int, int]:
+        pool = (0, next(self._ids))
+        self._pool_bytes[pool[1]] = 0
+        return pool
+
+    def new_event(self) -> SimEvent:
+        return SimEvent()
+
+    def capture(
+        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+    ) -> tuple[Any, Any]:
+        mode = _RejectHostSync()
+        try:
+            with torch.no_grad(), mode:
+                outputs = fn(*args)
+        except Exception as exc:
+            raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+        # NOTE: a real capture computes nothing: poison the outputs so that only a replay fills
+        # them, exactly as on CUDA.
+        outputs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+        for t in tree_flatten(outputs)[0]:
+            if isinstance(t, torch.Tensor):
+                t.fill_(float("nan") if t.is_floating_point() else -1)
+        segments = -(-mode.allocated_bytes // self.segment_bytes)
+        self._pool_bytes[pool[1]] = (
+            self._pool_bytes.get(pool[1], 0) + max(1, segments) * self.segment_bytes
+        )
+        self.num_captures += 1
+        return SimGraph(fn, args, outputs), outputs
+
+    def launch(self, stream: Any, event: Any, work: Work) -> None:
+        work()
+        event.record()
+
+    def wait(self, event: Any) -> None:
+        return None  # CPU work is synchronous
+
+    def reset(self, graph: Any) -> None:
+        graph.reset()
+
+    def pool_reserved_bytes(self, pool: Any) -> int:
+        return self._pool_bytes.get(pool[1], 0)
+
+    def release_pool(self, pool: Any) -> None:
+        self._pool_bytes.pop(pool[1], None)
+
+    def trim(self) -> None:
+        self.num_trims += 1
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+
+def release_pool(backend: Any, pool: Any) -> None:
+    """Drop the backend's record of a pool (CUDA frees its segments on the next trim)."""
+    release = getattr(backend, "release_pool", None)
+    if release is not None:
+        release(pool)

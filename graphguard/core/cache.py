@@ -1,0 +1,148 @@
+"""GraphCache: admitted graphs under a byte budget, least recently used first out.
+
+Invariant: after every operation the resident bytes of the admitted entries sum to at most
+`max_bytes`. Entries pinned by an in-progress replay are never evicted.
+
+Lock order (written here because this is where the lock lives): an engine's lifecycle lock,
+then the runner's replay lock, then this cache's lock. Code holding the cache lock never takes
+either of the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from graphguard.core.entry import EntryState, GraphEntry
+from graphguard.core.keys import GraphKey
+
+log = logging.getLogger("graphguard")
+
+EvictHook = Callable[[GraphEntry, str], None]
+
+
+class GraphCache:
+    """Admitted entries by key, in least-recently-used order."""
+
+    def __init__(self, max_bytes: int, on_evict: EvictHook | None = None):
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.lock = threading.RLock()
+        self._entries: OrderedDict[GraphKey, GraphEntry] = OrderedDict()
+        self._resident_bytes = 0
+        self._on_evict = on_evict
+
+    # -- lookup ----------------------------------------------------------------------------
+    @contextmanager
+    def pinned(self, key: GraphKey) -> Iterator[GraphEntry | None]:
+        """Yield the admitted entry for `key` (most recently used from now), pinned meanwhile."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                entry.pin_count += 1
+        try:
+            yield entry
+        finally:
+            if entry is not None:
+                with self.lock:
+                    entry.pin_count -= 1
+
+    def __contains__(self, key: GraphKey) -> bool:
+        with self.lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self.lock:
+            return len(self._entries)
+
+    @property
+    def resident_bytes(self) -> int:
+        with self.lock:
+            return self._resident_bytes
+
+    def entries(self) -> list[GraphEntry]:
+        with self.lock:
+            return list(self._entries.values())
+
+    def mean_entry_bytes(self) -> int:
+        with self.lock:
+            return self._resident_bytes // len(self._entries) if self._entries else 0
+
+    # -- budget ----------------------------------------------------------------------------
+    def victims_for(self, num_bytes: int) -> list[GraphEntry] | None:
+        """The LRU unpinned entries whose eviction makes room for `num_bytes`.
+
+        Empty when it fits already; None when it cannot fit even after evicting every unpinned
+        entry (or exceeds the whole budget).
+        """
+        with self.lock:
+            if num_bytes > self.max_bytes:
+                return None
+            free = self.max_bytes - self._resident_bytes
+            victims: list[GraphEntry] = []
+            for entry in self._entries.values():
+                if free >= num_bytes:
+                    break
+                if entry.pin_count == 0:
+                    victims.append(entry)
+                    free += entry.resident_bytes
+            return victims if free >= num_bytes else None
+
+    def admit(self, entry: GraphEntry) -> bool:
+        """Insert a captured entry, evicting LRU unpinned entries to make room.
+
+        Returns False (and leaves the entry to the caller to retire) when it cannot fit.
+        """
+        with self.lock:
+            victims = self.victims_for(entry.resident_bytes)
+            if victims is None:
+                return False
+            for victim in victims:
+                self._remove(victim, "budget")
+            self._entries[entry.key] = entry
+            self._resident_bytes += entry.resident_bytes
+            entry.state = EntryState.ADMITTED
+            assert self._resident_bytes <= self.max_bytes
+            return True
+
+    def make_room(self, num_bytes: int) -> None:
+        """Evict ahead of a capture whose size is known, so the candidate never overshoots."""
+        with self.lock:
+            for victim in self.victims_for(num_bytes) or []:
+                self._remove(victim, "budget")
+
+    def evict(self, key: GraphKey, cause: str) -> bool:
+        """Evict one key (if admitted and unpinned, or `cause` forces it). True if removed."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return False
+            self._remove(entry, cause)
+            return True
+
+    def clear(self, cause: str) -> int:
+        """Retire every entry (close, reload). Returns how many were retired."""
+        with self.lock:
+            entries = list(self._entries.values())
+            for entry in entries:
+                self._remove(entry, cause)
+            return len(entries)
+
+    def _remove(self, entry: GraphEntry, cause: str) -> None:
+        del self._entries[entry.key]
+        self._resident_bytes -= entry.resident_bytes
+        entry.retire()
+        log.info(
+            "graphguard evict key=%s bytes=%d cause=%s replays=%d",
+            entry.key.describe(),
+            entry.resident_bytes,
+            cause,
+            entry.replays,
+        )
+        if self._on_evict is not None:
+            self._on_evict(entry, cause)

@@ -1,0 +1,258 @@
+"""GraphEntry: one captured graph and everything it owns.
+
+An entry exclusively owns its graph, its capture stream, its memory pool (private, or its share
+of a declared PoolGroup), its static inputs and outputs, its pinned host staging buffers and the
+owners a caller retains through it. `retire()` releases all of it in a fixed order, is
+idempotent, works while other references to the entry remain, and leaves an entry that refuses
+to replay. Nothing here depends on garbage collection.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import threading
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from graphguard.core.backends import Backend, release_pool
+from graphguard.core.keys import GraphKey
+
+_OPAQUE = (type, str, bytes, int, float, types.ModuleType)
+# How many objects the cycle check walks before it gives up looking (and accepts the owner).
+_MAX_CYCLE_SCAN = 200_000
+
+
+class EntryState(str, enum.Enum):
+    NEW = "new"
+    CAPTURED = "captured"
+    ADMITTED = "admitted"
+    RETIRED = "retired"
+
+
+class RetiredEntryError(RuntimeError):
+    """Replay of an entry that was retired (evicted, invalidated or closed)."""
+
+
+class OwnerCycleError(ValueError):
+    """An owner handed to retain() refers back to the graph it would be kept alive by."""
+
+
+@dataclass
+class PoolGroup:
+    """A declared group of entries that share one memory pool and one capture stream.
+
+    Entries of a group are charged the growth of the shared pool during their own capture; the
+    pool is released when the last member retires.
+    """
+
+    name: str
+    pool: Any = None
+    stream: Any = None
+    members: set[int] = field(default_factory=set)
+
+
+@dataclass
+class EntryInfo:
+    """A read-only snapshot of an entry, for stats(), /v1/graphs and export."""
+
+    key: str
+    state: str
+    rows: int | None
+    resident_bytes: int
+    host_bytes: int
+    capture_ms: float
+    replays: int
+    verified: str
+    input_specs: list[dict[str, Any]]
+    output_specs: list[dict[str, Any]]
+
+
+class GraphEntry:
+    """One captured graph (see module docstring for ownership and retirement rules)."""
+
+    def __init__(self, key: GraphKey, backend: Backend, group: PoolGroup | None = None):
+        self.key = key
+        self.backend = backend
+        self.group = group
+        self.state = EntryState.NEW
+        self.lock = threading.Lock()  # serializes replay launch against retire
+        if group is None:
+            self.stream, self.pool = backend.new_stream(), backend.new_pool()
+        else:
+            if group.pool is None:
+                group.pool, group.stream = backend.new_pool(), backend.new_stream()
+            self.stream, self.pool = group.stream, group.pool
+            group.members.add(id(self))
+        self.event = backend.new_event()
+        self.has_replayed = False
+        self.graph: Any = None
+        self.static_args: list[Any] = []
+        self.static_outputs: Any = None
+        self.staging: dict[int, torch.Tensor] = {}  # pinned host buffers, by argument position
+        self.owners: list[Any] = []
+        self.resident_bytes = 0
+        self.host_bytes = 0
+        self.capture_ms = 0.0
+        self.replays = 0
+        self.verified = "pending"
+        self.pin_count = 0  # > 0 while a replay is in progress; eviction skips pinned entries
+
+    # -- ownership -------------------------------------------------------------------------
+    def retain(self, owner: Any) -> None:
+        """Keep `owner` alive exactly as long as this graph can replay."""
+        if self.state is EntryState.RETIRED:
+            raise RetiredEntryError(
+                f"cannot retain an owner on retired graph {self.key.describe()}"
+            )
+        if refers_to(owner, (self, self.graph)):
+            raise OwnerCycleError(
+                f"{type(owner).__name__} refers back to graph {self.key.describe()}; retaining it "
+                "would make a reference cycle that keeps the graph alive forever"
+            )
+        self.owners.append(owner)
+
+    def add_staging(self, position: int, like: torch.Tensor) -> torch.Tensor:
+        buffer = self.backend.pin(torch.empty_like(like, device="cpu"))
+        self.staging[position] = buffer
+        self.host_bytes += buffer.untyped_storage().nbytes()
+        return buffer
+
+    # -- capture ---------------------------------------------------------------------------
+    def capture(self, fn: Callable[..., Any], static_args: list[Any]) -> None:
+        """Capture `fn(*static_args)`; raises CaptureError (and leaves the entry to retire)."""
+        self.static_args = static_args
+        before = self.backend.pool_reserved_bytes(self.pool) if self.group else 0
+        started = time.perf_counter()
+        self.graph, self.static_outputs = self.backend.capture(
+            fn, static_args, pool=self.pool, stream=self.stream
+        )
+        self.capture_ms = (time.perf_counter() - started) * 1e3
+        pool_bytes = self.backend.pool_reserved_bytes(self.pool) - before
+        self.resident_bytes = pool_bytes + _external_bytes(static_args)
+        self.state = EntryState.CAPTURED
+
+    # -- replay ----------------------------------------------------------------------------
+    def replay(self, copy_inputs: Callable[[], None] | None = None) -> Any:
+        """Launch one replay on the entry's stream; returns the static outputs."""
+        with self.lock:
+            if self.state is EntryState.RETIRED or self.graph is None:
+                raise RetiredEntryError(f"graph {self.key.describe()} is retired; it cannot replay")
+
+            def work() -> None:
+                if copy_inputs is not None:
+                    copy_inputs()
+                self.graph.replay()
+
+            self.backend.launch(self.stream, self.event, work)
+            self.has_replayed = True
+            self.replays += 1
+            return self.static_outputs
+
+    def wait_idle(self) -> None:
+        """Host-wait for this entry's last replay (not for the caller's stream)."""
+        if self.has_replayed:
+            self.backend.wait(self.event)
+
+    # -- retirement ------------------------------------------------------------------------
+    def retire(self) -> bool:
+        """Release everything in order. Idempotent: returns False if already retired."""
+        with self.lock:
+            if self.state is EntryState.RETIRED:
+                return False
+            self.state = EntryState.RETIRED
+            # NOTE: wait on the recorded replay event, never on the retiring thread's current
+            # stream, so staging buffers outlive an in-flight asynchronous replay.
+            self.wait_idle()
+            if self.graph is not None:
+                self.backend.reset(self.graph)
+            self.graph = None
+            self.static_args, self.static_outputs = [], None
+            self.staging.clear()
+            self._release_pool()
+            self.stream = None
+            self.owners.clear()
+            return True
+
+    def _release_pool(self) -> None:
+        group = self.group
+        if group is None:
+            release_pool(self.backend, self.pool)
+        else:
+            group.members.discard(id(self))
+            if not group.members:
+                release_pool(self.backend, group.pool)
+                group.pool = group.stream = None
+        self.pool = None
+
+    @property
+    def is_retired(self) -> bool:
+        return self.state is EntryState.RETIRED
+
+    def info(self) -> EntryInfo:
+        return EntryInfo(
+            key=self.key.describe(),
+            state=self.state.value,
+            rows=self.key.rows,
+            resident_bytes=self.resident_bytes,
+            host_bytes=self.host_bytes,
+            capture_ms=round(self.capture_ms, 3),
+            replays=self.replays,
+            verified=self.verified,
+            input_specs=[_spec(t) for t in self.static_args if isinstance(t, torch.Tensor)],
+            output_specs=[
+                _spec(t)
+                for t in tree_flatten(self.static_outputs)[0]
+                if isinstance(t, torch.Tensor)
+            ],
+        )
+
+
+def _spec(t: torch.Tensor) -> dict[str, Any]:
+    return {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "stride": list(t.stride()),
+        "device": str(t.device),
+    }
+
+
+def _external_bytes(static_args: list[Any]) -> int:
+    """Static inputs are allocated before capture, outside the graph's pool."""
+    return sum(t.untyped_storage().nbytes() for t in static_args if isinstance(t, torch.Tensor))
+
+
+def refers_to(root: Any, targets: tuple[Any, ...]) -> bool:
+    """True if `root` reaches any of `targets` through Python references."""
+    wanted = {id(t) for t in targets if t is not None}
+    seen: set[int] = set()
+    stack = [root]
+    while stack and len(seen) < _MAX_CYCLE_SCAN:
+        obj = stack.pop()
+        if id(obj) in wanted:
+            return True
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            # A function reaches its whole module through __globals__: follow only what it
+            # closes over and its defaults.
+            stack.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+            stack.extend(obj.__defaults__ or ())
+            continue
+        stack.extend(gc.get_referents(obj))
+    return False
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,67 @@
+"""Parity of a graph's output against eager on the same inputs.
+
+A new graph's first replay is compared with eager before it is admitted; `reverify_every=N`
+repeats the comparison on every N-th replay in production and quarantines on drift. "exact" is
+bitwise equality (NaN equals NaN of the same bits); "allclose" takes explicit tolerances; "off"
+must be asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+_MODES = ("exact", "allclose", "off")
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    mode: str = "exact"
+    rtol: float | None = None
+    atol: float | None = None
+    reverify_every: int = 0  # 0: only at admission
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"verify must be one of {_MODES}, got {self.mode!r}")
+        if self.mode == "allclose" and (self.rtol is None or self.atol is None):
+            raise ValueError("verify='allclose' needs explicit rtol and atol")
+        if self.reverify_every < 0:
+            raise ValueError(f"reverify_every must be >= 0, got {self.reverify_every}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+def outputs_match(graph_out: Any, eager_out: Any, config: VerifyConfig) -> bool:
+    """True if every tensor leaf of the two outputs agrees under `config`."""
+    graph_leaves, graph_spec = tree_flatten(graph_out)
+    eager_leaves, eager_spec = tree_flatten(eager_out)
+    if graph_spec != eager_spec:
+        return False
+    return all(_leaf_match(g, e, config) for g, e in zip(graph_leaves, eager_leaves, strict=True))
+
+
+def _leaf_match(graph: Any, eager: Any, config: VerifyConfig) -> bool:
+    if not isinstance(graph, torch.Tensor) or not isinstance(eager, torch.Tensor):
+        return bool(graph == eager)
+    if graph.shape != eager.shape or graph.dtype != eager.dtype:
+        return False
+    if config.mode == "allclose":
+        assert config.rtol is not None and config.atol is not None
+        return bool(
+            torch.allclose(graph, eager, rtol=config.rtol, atol=config.atol, equal_nan=True)
+        )
+    return _bitwise_equal(graph, eager)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0:
+        return True
+    a_bytes = a.contiguous().reshape(-1).view(torch.uint8)
+    b_bytes = b.contiguous().reshape(-1).view(torch.uint8)
+    return bool(torch.equal(a_bytes, b_bytes))

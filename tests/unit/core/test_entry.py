@@ -1,0 +1,153 @@
+import gc
+import weakref
+
+import pytest
+import torch
+
+from graphguard.core.backends import SimBackend
+from graphguard.core.entry import (
+    EntryState,
+    GraphEntry,
+    OwnerCycleError,
+    PoolGroup,
+    RetiredEntryError,
+)
+from graphguard.core.keys import GraphKey
+
+
+class Owner:
+    """Stands for something a graph reads: weights, a KV pool, a kernel's owner."""
+
+
+def captured_entry(backend=None, group=None):
+    backend = backend or SimBackend()
+    entry = GraphEntry(GraphKey(("k",)), backend, group)
+    x = torch.ones(4)
+    entry.capture(lambda t: t * 2, [x])
+    return entry
+
+
+def test_entry_owns_a_stream_and_pool_of_its_own():
+    backend = SimBackend()
+    a, b = captured_entry(backend), captured_entry(backend)
+    assert a.stream != b.stream and a.pool != b.pool
+
+
+def test_pool_group_members_share_stream_and_pool_until_the_last_retires():
+    backend = SimBackend()
+    group = PoolGroup("decode")
+    a, b = captured_entry(backend, group), captured_entry(backend, group)
+    assert a.stream == b.stream and a.pool == b.pool
+    pool = a.pool
+    a.retire()
+    assert group.pool == pool and backend.pool_reserved_bytes(pool) > 0
+    b.retire()
+    assert group.pool is None and backend.pool_reserved_bytes(pool) == 0
+
+
+def test_replay_writes_the_same_static_output_tensor():
+    entry = captured_entry()
+    first = entry.replay()
+    entry.static_args[0].fill_(5)
+    second = entry.replay()
+    assert second is first and torch.equal(first, torch.full((4,), 10.0))
+
+
+def test_retired_entry_refuses_replay_even_with_outside_references():
+    entry = captured_entry()
+    outside = entry  # another holder of the entry
+    entry.retire()
+    with pytest.raises(RetiredEntryError):
+        outside.replay()
+
+
+def test_retire_is_idempotent_and_releases_everything():
+    backend = SimBackend()
+    entry = captured_entry(backend)
+    pool = entry.pool
+    assert entry.retire() is True
+    assert entry.retire() is False
+    assert entry.state is EntryState.RETIRED
+    assert entry.graph is None and entry.static_args == [] and entry.static_outputs is None
+    assert entry.stream is None and entry.pool is None
+    assert backend.pool_reserved_bytes(pool) == 0
+
+
+def test_retire_waits_on_the_recorded_replay_event_before_reset():
+    order = []
+
+    class Recording(SimBackend):
+        def wait(self, event):
+            order.append("wait")
+
+        def reset(self, graph):
+            order.append("reset")
+            super().reset(graph)
+
+    entry = captured_entry(Recording())
+    entry.replay()
+    entry.retire()
+    assert order == ["wait", "reset"]
+
+
+def test_retained_owner_lives_exactly_as_long_as_the_graph_can_replay():
+    entry = captured_entry()
+    owner = Owner()
+    ref = weakref.ref(owner)
+    entry.retain(owner)
+    del owner
+    gc.collect()
+    assert ref() is not None
+    entry.retire()
+    gc.collect()
+    assert ref() is None
+
+
+def test_retained_owner_is_released_when_the_entry_is_collected():
+    entry = captured_entry()
+    owner = Owner()
+    ref = weakref.ref(owner)
+    entry.retain(owner)
+    del owner, entry
+    gc.collect()
+    assert ref() is None
+
+
+def test_owner_that_refers_back_to_the_graph_is_rejected():
+    entry = captured_entry()
+    owner = Owner()
+    owner.graph_entry = entry
+    with pytest.raises(OwnerCycleError, match="reference cycle"):
+        entry.retain(owner)
+
+
+def test_owner_closing_over_the_graph_is_rejected():
+    entry = captured_entry()
+    with pytest.raises(OwnerCycleError):
+        entry.retain(lambda: entry.replay())
+
+
+def test_owner_retained_before_a_failed_capture_is_held_until_retire():
+    from graphguard.core.backends import CaptureError
+
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    owner = Owner()
+    ref = weakref.ref(owner)
+    entry.retain(owner)
+    del owner
+    with pytest.raises(CaptureError):
+        entry.capture(lambda t: t * t.sum().item(), [torch.ones(2)])
+    gc.collect()
+    assert ref() is not None
+    entry.retire()
+    gc.collect()
+    assert ref() is None
+
+
+def test_resident_bytes_are_pool_segments_plus_external_static_inputs():
+    backend = SimBackend(segment_bytes=1024)
+    entry = GraphEntry(GraphKey(("k",)), backend)
+    x = torch.ones(1000)  # 4000 bytes of static input, outside the pool
+    entry.capture(lambda t: t * 2, [x])
+    assert entry.resident_bytes == backend.pool_reserved_bytes(entry.pool) + 4000
+    assert backend.pool_reserved_bytes(entry.pool) == 4096  # 4000 bytes of output, 1 KiB steps
