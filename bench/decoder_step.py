@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,17 @@ class DecoderStep:
             self.k_cache[i, rows, pos] = k
             self.v_cache[i, rows, pos] = v.view(batch, s.num_kv_heads, s.head_dim)
             keys, values = self.k_cache[i, :batch], self.v_cache[i, :batch]  # [B, ctx, kvh, hd]
-            attn = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=mask[:, None, None, :],
-                enable_gqa=True,
-            )
+            # NOTE: the math backend on purpose: on an H200 (torch 2.11) the cuDNN attention
+            # backend chosen by default here gave graph replays that differ from eager in one
+            # or two rows once the KV cache had churned (caught by exact parity admission).
+            with sdpa_kernel([SDPBackend.MATH]):
+                attn = F.scaled_dot_product_attention(
+                    q[:, :, None, :],
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=mask[:, None, None, :],
+                    enable_gqa=True,
+                )
             x = x + attn.reshape(batch, -1) @ layer["o"].T
             h = F.rms_norm(x, (s.hidden,), layer["n2"])
             gate, up = (h @ layer["up"].T).chunk(2, -1)

@@ -10,6 +10,9 @@ computed deterministically. SimBackend is not a performance path.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+log = logging.getLogger("graphguard")
 Work = Callable[[], None]
 # Segments of a CUDA private pool come in 2 MiB steps for small allocations; the simulation
 # rounds the same way, so a 1 MiB budget admits nothing on either backend.
@@ -34,6 +38,7 @@ class Backend(Protocol):
     device: torch.device
 
     def new_stream(self) -> Any: ...
+    def release_stream(self, stream: Any) -> None: ...
     def new_pool(self) -> Any: ...
     def new_event(self) -> Any: ...
     def capture(
@@ -56,10 +61,32 @@ class CudaBackend:
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs CUDA, and torch.cuda.is_available() is False")
         self.device = _cuda_device(device)
+        self._free_streams: list[torch.cuda.Stream] = []
+        if _suspect_cublas_config():
+            log.warning(
+                "graphguard: CUBLAS_WORKSPACE_CONFIG is not ':4096:8'; with several streams "
+                "active cuBLAS may choose other kernels than eager, and exact parity checks can "
+                "then reject good graphs. Set it before CUDA starts."
+            )
         self.num_warmup = num_warmup
 
     def new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
+        """A CUDA stream owned by one entry at a time.
+
+        torch.cuda.Stream() hands out one of 32 pooled streams per device, so 40 graphs would
+        share streams; through cuda.bindings (when installed) each live entry gets its own.
+        Released streams are kept for the next entry rather than destroyed: PyTorch keys a
+        cuBLAS workspace by stream and bakes it into the graphs captured there, so recycling
+        bounds those workspaces by the peak number of live graphs.
+        """
+        if self._free_streams:
+            return self._free_streams.pop()
+        return _owned_stream(self.device) or torch.cuda.Stream(device=self.device)
+
+    def release_stream(self, stream: Any) -> None:
+        # NOTE: called after the entry waited on its last replay and reset its graph.
+        if getattr(stream, "owned_handle", None) is not None:
+            self._free_streams.append(stream)
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -83,7 +110,7 @@ class CudaBackend:
             try:
                 outputs = fn(*args)
             except BaseException as exc:
-                _end_failed_capture(graph)
+                self._end_failed_capture(graph, pool, stream)
                 raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
             try:
                 graph.capture_end()
@@ -93,6 +120,33 @@ class CudaBackend:
                 raise CaptureError(str(exc)) from exc
         caller.wait_stream(stream)
         return graph, outputs
+
+    def _end_failed_capture(self, graph: Any, pool: Any, stream: Any) -> None:
+        """Leave no stream capturing, no allocator routed to the dead pool, and the RNG usable.
+
+        When the capture was invalidated, CUDAGraph.capture_end raises before it stops routing
+        the stream's allocations into the pool and before the default generator leaves capture
+        mode; both are undone here.
+        """
+        index = self.device.index
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            torch._C._cuda_endAllocateToPool(index, pool)
+            torch._C._cuda_releasePool(index, pool)
+            self._reset_generator(stream)
+        graph.reset()
+
+    def _reset_generator(self, stream: Any) -> None:
+        # A small capture that completes runs the generator's capture epilogue.
+        repair = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            repair.capture_begin(
+                pool=torch.cuda.graph_pool_handle(), capture_error_mode="thread_local"
+            )
+            torch.ones(1, device=self.device).add_(1)
+            repair.capture_end()
+        repair.reset()
 
     def launch(self, stream: Any, event: Any, work: Work) -> None:
         # The replay waits on the caller's stream; the caller's stream then waits on the replay.
@@ -134,13 +188,24 @@ def _cuda_device(device: torch.device | int | str | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _end_failed_capture(graph: Any) -> None:
-    """End an invalidated capture so that no stream is left capturing."""
+def _owned_stream(device: torch.device) -> torch.cuda.Stream | None:
     try:
-        graph.capture_end()
-    except RuntimeError:
-        pass  # the capture was invalidated; ending it is all we need
-    graph.reset()
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return None
+    with torch.cuda.device(device):
+        err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+    if err != cudart.cudaError_t.cudaSuccess:
+        return None
+    stream = torch.cuda.ExternalStream(int(handle), device=device)
+    stream.owned_handle = handle  # type: ignore[attr-defined]
+    return stream
+
+
+def _suspect_cublas_config() -> bool:
+    """cuBLAS may pick other kernels while several streams are active unless its workspace
+    configuration is pinned, which breaks bitwise parity between a graph and eager."""
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8")
 
 
 # Ops that synchronize with the host, so a CUDA stream capture rejects them.
@@ -159,11 +224,18 @@ _HOST_SYNC_OPS = {
 
 
 class _RejectHostSync(TorchDispatchMode):
-    """Rejects host syncs like a capturing CUDA stream, and counts the bytes ops allocate."""
+    """Rejects host syncs like a capturing CUDA stream, and tracks the peak of live bytes.
+
+    A CUDA graph's private pool reuses blocks freed during capture, so its size follows the
+    peak of memory alive at once, not the sum of every allocation; the simulation follows it
+    the same way (storages that an op's output shares with its inputs are views, not new).
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.allocated_bytes = 0
+        self.live: dict[int, int] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
@@ -173,11 +245,32 @@ class _RejectHostSync(TorchDispatchMode):
                 "the host)"
             )
         out = func(*args, **(kwargs or {}))
-        leaves, _ = tree_flatten(out)
-        self.allocated_bytes += sum(
-            t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)
-        )
+        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)}
+        for t in tree_flatten(out)[0]:
+            if _is_tensor(t) and _storage_ptr(t) not in inputs:
+                self._track(t)
         return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        ptr = _storage_ptr(tensor)
+        if ptr in self.live:
+            return
+        nbytes = tensor.untyped_storage().nbytes()
+        self.live[ptr] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(tensor, self._release, ptr)
+
+    def _release(self, ptr: int) -> None:
+        self.live_bytes -= self.live.pop(ptr, 0)
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
 
 
 class SimGraph:
@@ -221,9 +314,13 @@ class SimBackend:
         self._pool_bytes: dict[int, int] = {}
         self.num_captures = 0
         self.num_trims = 0
+        self.released_streams: set[int] = set()
 
     def new_stream(self) -> int:
         return next(self._ids)
+
+    def release_stream(self, stream: Any) -> None:
+        self.released_streams.add(stream)
 
     def new_pool(self) -> tuple[int, int]:
         pool = (0, next(self._ids))
@@ -248,7 +345,7 @@ class SimBackend:
         for t in tree_flatten(outputs)[0]:
             if isinstance(t, torch.Tensor):
                 t.fill_(float("nan") if t.is_floating_point() else -1)
-        segments = -(-mode.allocated_bytes // self.segment_bytes)
+        segments = -(-mode.peak_bytes // self.segment_bytes)
         self._pool_bytes[pool[1]] = (
             self._pool_bytes.get(pool[1], 0) + max(1, segments) * self.segment_bytes
         )

@@ -175,21 +175,22 @@ class GraphEntry:
             self.graph = None
             self.static_args, self.static_outputs = [], None
             self.staging.clear()
-            self._release_pool()
-            self.stream = None
+            self._release_pool_and_stream()
             self.owners.clear()
             return True
 
-    def _release_pool(self) -> None:
+    def _release_pool_and_stream(self) -> None:
         group = self.group
         if group is None:
             release_pool(self.backend, self.pool)
+            self.backend.release_stream(self.stream)
         else:
             group.members.discard(id(self))
             if not group.members:
                 release_pool(self.backend, group.pool)
+                self.backend.release_stream(group.stream)
                 group.pool = group.stream = None
-        self.pool = None
+        self.pool = self.stream = None
 
     @property
     def is_retired(self) -> bool:

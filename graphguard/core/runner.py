@@ -25,7 +25,7 @@ from graphguard.core.inputs import CallPlan, copy_inputs, make_static_args, plan
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
-from graphguard.core.verify import VerifyConfig, outputs_match
+from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
 
 log = logging.getLogger("graphguard")
 
@@ -239,8 +239,12 @@ class GraphRunner:
             return self._reject(entry, "failed", FallbackReason.CAPTURE_FAILED, exc)
         outputs = entry.replay()
         if self.verify.enabled:
-            if not outputs_match(outputs, self.fn(*entry.static_args), self.verify):
-                error = ParityError(f"graph output differs from eager for {key.describe()}")
+            eager = self.fn(*entry.static_args)
+            if not outputs_match(outputs, eager, self.verify):
+                detail = describe_mismatch(outputs, eager)
+                error = ParityError(
+                    f"graph output differs from eager for {key.describe()}: {detail}"
+                )
                 return self._reject(entry, "parity_mismatch", FallbackReason.PARITY_MISMATCH, error)
             entry.verified = self.verify.mode
         seconds = self.clock() - started

@@ -65,3 +65,24 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_bytes = a.contiguous().reshape(-1).view(torch.uint8)
     b_bytes = b.contiguous().reshape(-1).view(torch.uint8)
     return bool(torch.equal(a_bytes, b_bytes))
+
+
+def describe_mismatch(graph_out: Any, eager_out: Any) -> str:
+    """Where two outputs differ: per leaf, how many elements and by how much (for the log)."""
+    parts = []
+    graph_leaves, _ = tree_flatten(graph_out)
+    eager_leaves, _ = tree_flatten(eager_out)
+    for i, (g, e) in enumerate(zip(graph_leaves, eager_leaves, strict=False)):
+        if not isinstance(g, torch.Tensor) or not isinstance(e, torch.Tensor):
+            continue
+        if g.shape != e.shape or g.dtype != e.dtype:
+            parts.append(f"out{i}: {tuple(g.shape)}/{g.dtype} vs {tuple(e.shape)}/{e.dtype}")
+            continue
+        differ = g.ne(e) & ~(g.isnan() & e.isnan()) if g.is_floating_point() else g.ne(e)
+        count = int(differ.sum())
+        if count:
+            delta = (g.double() - e.double()).abs().nan_to_num(nan=float("inf")).max()
+            rows = differ.reshape(differ.shape[0], -1).any(-1).sum() if g.dim() else 1
+            where = f"{count}/{g.numel()} elements in {int(rows)} rows"
+            parts.append(f"out{i}: {where}, max |diff| {float(delta):.3g}")
+    return "; ".join(parts) or "no element differs"

@@ -1,0 +1,201 @@
+"""Load test for `graphguard serve` over loopback: a fixed number of streaming requests at a
+fixed concurrency; reports requests/s, tokens/s, TTFT and TPOT percentiles, and writes JSON.
+
+    python bench/serve_load.py                       # starts the embedded model in-process
+    python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
+
+Requests use `ignore_eos` so every one generates exactly --max-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+PROMPTS = (
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle stays upright.",
+    "List some facts about the planet Mars.",
+    "Describe a busy market on a Saturday morning.",
+)
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    ttft_s: float  # request sent -> first generated text
+    tpot_s: float | None  # mean gap between later tokens; None with one token
+    latency_s: float
+    num_output_tokens: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 100]."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, index: int, max_tokens: int):
+    body = {
+        "model": model,
+        "prompt": PROMPTS[index % len(PROMPTS)],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    num_tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    assert first is not None and last is not None, "the stream produced no text"
+    tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
+    return RequestResult(first - start, tpot, last - start, num_tokens)
+
+
+async def run_load(url: str, model: str, args: argparse.Namespace) -> list[RequestResult]:
+    semaphore = asyncio.Semaphore(args.concurrency)
+    limits = httpx.Limits(max_connections=args.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def bounded(index: int) -> RequestResult:
+            async with semaphore:
+                return await one_request(client, model, index, args.max_tokens)
+
+        return await asyncio.gather(*(bounded(i) for i in range(args.num_requests)))
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict[str, float]:
+    ttfts = [r.ttft_s for r in results]
+    tpots = [r.tpot_s for r in results if r.tpot_s is not None]
+    num_tokens = sum(r.num_output_tokens for r in results)
+    ms = 1000.0
+    return {
+        "wall_s": round(wall_s, 3),
+        "requests_per_s": round(len(results) / wall_s, 3),
+        "output_tokens_per_s": round(num_tokens / wall_s, 1),
+        "ttft_p50_ms": round(percentile(ttfts, 50) * ms, 1),
+        "ttft_p99_ms": round(percentile(ttfts, 99) * ms, 1),
+        "tpot_p50_ms": round(percentile(tpots, 50) * ms, 2) if tpots else float("nan"),
+        "tpot_p99_ms": round(percentile(tpots, 99) * ms, 2) if tpots else float("nan"),
+        "latency_mean_ms": round(statistics.fmean(r.latency_s for r in results) * ms, 1),
+        "num_output_tokens": num_tokens,
+    }
+
+
+@contextmanager
+def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """The embedded model behind uvicorn on a free loopback port, for the duration."""
+    import uvicorn
+
+    from graphguard.engine.config import EngineConfig
+    from graphguard.engine.engine import LLMEngine
+    from graphguard.server.app import build_app
+    from graphguard.server.config import ServerConfig
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine_config = EngineConfig(
+        device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len
+    )
+    config = ServerConfig(port=port, engine=engine_config)
+    app = build_app(LLMEngine(engine_config), config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", config.model_name
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running server on loopback; default: start one here")
+    parser.add_argument("--model", help="model id to send; default: the server's only model")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", default="auto", help="for the in-process server")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="for the in-process server")
+    parser.add_argument("--max-model-len", type=int, default=512, help="in-process server")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/serve_load.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.url and urlparse(args.url).hostname not in LOOPBACK_HOSTS:
+        sys.exit(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK_HOSTS))})")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with _server(args) as (url, model):
+        model = args.model or model or httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        # Other work on the host skews CPU numbers: record the load around the run.
+        load_before = os.getloadavg()[0]
+        start = time.perf_counter()
+        results = asyncio.run(run_load(url, model, args))
+        summary = summarize(results, time.perf_counter() - start)
+        graphs = httpx.get(f"{url}/v1/graphs").json()
+    report = {
+        "benchmark": "serve_load",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "model": model,
+        "summary": summary,
+        "graphs_enabled": graphs.get("enabled", True),
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_avg_1m_before": load_before,
+            "load_avg_1m_after": os.getloadavg()[0],
+        },
+        "requests": [asdict(r) for r in results],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({"model": model, **summary}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+@contextmanager
+def _server(args: argparse.Namespace) -> Iterator[tuple[str, str | None]]:
+    if args.url:
+        yield args.url.rstrip("/"), None
+        return
+    with local_server(args) as running:
+        yield running
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Paged attention in plain PyTorch: eager prefill and graph-capturable decode.
+
+K/V live in blocks of ``block_size`` tokens; a sequence's blocks are listed in its row of
+``block_tables``. Token ``t`` of a sequence lives at slot ``block * block_size + t % block_size``
+with ``block = block_tables[seq, t // block_size]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the current tokens' K/V go and what each sequence attends over."""
+
+    is_prefill: bool
+    slot_mapping: Tensor  # [num_tokens] int64, on gpu: block * block_size + offset
+    block_tables: Tensor  # [num_seqs, width] int32, on gpu, padded with DUMMY_BLOCK
+    seq_lens: Tensor  # [num_seqs] int32, on gpu: context length incl. the new tokens
+    query_start_loc: Tensor  # [num_seqs + 1] int32, on gpu: cumulative query lengths
+    seq_lens_cpu: list[int] | None = None  # prefill only (prefill is eager)
+    query_lens_cpu: list[int] | None = None  # prefill only
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """Store the new K/V, then attend. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.is_prefill:
+        return paged_prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """One query token per sequence over its paged context; q ``[B, Hq, D]`` -> ``[B, Hq, D]``.
+
+    NOTE: capturable in a CUDA graph: no host syncs, and every shape comes from
+    ``(B, width)``; the context is ``width * block_size`` slots with slots >= seq_len masked.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    ctx_len = block_tables.shape[1] * block_size
+    tables = block_tables.long()
+    # [B, width, block_size, Hkv, D] -> [B, Hkv, ctx, D]
+    k = k_cache[tables].view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[tables].view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    # Query head h reads KV head h // group (the repeat_interleave layout of GQA).
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, ctx]
+    slots = torch.arange(ctx_len, device=q.device)
+    is_past_end = slots.view(1, 1, 1, ctx_len) >= seq_lens.view(num_seqs, 1, 1, 1)
+    scores = scores.masked_fill(is_past_end, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """Causal attention of each sequence's new tokens over its cached + new tokens (eager).
+
+    Expects the new K/V to be written to the cache already. Sequences without cached tokens
+    attend over the new k/v directly.
+    """
+    if meta.seq_lens_cpu is None or meta.query_lens_cpu is None:
+        raise ValueError("prefill needs seq_lens_cpu and query_lens_cpu")
+    out = torch.empty_like(q)
+    start = 0
+    lens = zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)
+    for row, (seq_len, query_len) in enumerate(lens):
+        end = start + query_len
+        if seq_len == query_len:
+            k_seq, v_seq = k[start:end], v[start:end]
+        else:
+            k_seq, v_seq = _gather_context(k_cache, v_cache, meta.block_tables[row], seq_len)
+        out[start:end] = _causal_sdpa(q[start:end], k_seq, v_seq, scale)
+        start = end
+    return out
+
+
+def _gather_context(
+    k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_len: int
+) -> tuple[Tensor, Tensor]:
+    """The first ``seq_len`` cached K/V of one sequence, each ``[seq_len, Hkv, D]``."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """q ``[Tq, Hq, D]`` over k/v ``[Tk, Hkv, D]``; the queries are the last Tq of Tk tokens."""
+    query_len, ctx_len = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if query_len == ctx_len:
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        # Query i sits at absolute position ctx_len - query_len + i and sees keys up to it.
+        q_pos = torch.arange(ctx_len - query_len, ctx_len, device=q.device)
+        allowed = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    return out.transpose(0, 1)

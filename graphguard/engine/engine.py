@@ -1,0 +1,275 @@
+"""LLMEngine: requests in, one scheduler iteration per step(), RequestOutputs out.
+
+Lock order: ``lifecycle_lock`` (here) is taken before the graph cache's lock. Every entry point
+that touches requests, KV or weights holds it, so a step never overlaps a reload or shutdown.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphguard.engine.config import EngineConfig, ModelConfig
+from graphguard.engine.decode_graphs import install_decode_graphs
+from graphguard.engine.detokenize import IncrementalDetokenizer
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.loader import LoadedModel, load_model
+from graphguard.engine.model_runner import ModelRunner
+from graphguard.engine.sampling import SamplingParams, make_generator, sample
+from graphguard.engine.scheduler import Scheduler
+from graphguard.engine.sequence import Sequence, num_blocks_for
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (``new_token_ids`` is empty for an abort)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    delta_text: str
+    text: str  # all text so far: the sum of the deltas
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    """Resolve a device name; "auto" is cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Resolve a dtype name; "auto" is bfloat16 on cuda, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+class LLMEngine:
+    """Continuous-batching engine over one loaded model and one paged KV pool."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.lifecycle_lock = threading.RLock()
+        if loaded is None:
+            device = resolve_device(config.device)
+            dtype = resolve_dtype(config.dtype, device)
+            loaded = load_model(config.model, dtype=dtype, device=str(device))
+        # A model loaded elsewhere keeps its own placement; KV follows it.
+        weight = next(loaded.model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_config: ModelConfig = loaded.config
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.kv = self._build_kv()
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.graphs: Any = None  # DecodeGraphs when the capability proof passes
+        self.graphs_disabled_reason: str | None = None
+        self.on_reload: list[Callable[[], None]] = []  # run before new weights are loaded
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
+        self._pending: list[RequestOutput] = []  # abort outputs for the next step
+        self._seed_rng = random.Random(config.seed)
+        self._is_shut_down = False
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        install_decode_graphs(self)
+
+    def _build_kv(self) -> PagedKVStorage:
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks == 0:
+            per_seq = num_blocks_for(self.max_model_len, self.config.block_size)
+            num_blocks = self.config.max_num_seqs * per_seq + 1  # + the reserved dummy block
+        mc = self.model_config
+        return PagedKVStorage(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            num_blocks=num_blocks,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.kv.num_free_blocks + self.kv.num_used_blocks
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; ValueError with the reason if it can never be served."""
+        with self.lifecycle_lock:
+            self._check_open()
+            self._validate_request(request_id, prompt_token_ids, params)
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            generator = make_generator(seed, self.device)
+            seq = Sequence(request_id, prompt_token_ids, params, generator)
+            self._seqs[request_id] = seq
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.stop
+            )
+            self.scheduler.add(seq)
+
+    def _validate_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._seqs or any(o.request_id == request_id for o in self._pending):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: at least one prompt token is required")
+        if len(prompt_token_ids) > self.max_model_len - 1:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; at most max_model_len - 1 = "
+                f"{self.max_model_len - 1} fit"
+            )
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        params.validate()
+        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        num_blocks = num_blocks_for(max_len, self.config.block_size)
+        if num_blocks > self.num_usable_blocks:
+            raise ValueError(
+                f"request needs up to {num_blocks} KV blocks but the pool has "
+                f"{self.num_usable_blocks}; raise num_kv_blocks or lower max_tokens"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks; unknown ids are ignored."""
+        with self.lifecycle_lock:
+            seq = self.scheduler.abort(request_id)
+            if seq is None:
+                return
+            self._pending.append(self._output(seq, []))
+            self._forget(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: prefill admitted requests, decode one token for the rest."""
+        with self.lifecycle_lock:
+            self._check_open()
+            outputs, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            if batch.is_empty:
+                return outputs
+            logits = self.runner.run(batch)
+            seqs = batch.seqs
+            token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            outputs += [
+                self._append(seq, token_id) for seq, token_id in zip(seqs, token_ids, strict=True)
+            ]
+            self._num_steps += 1
+            self._num_generated_tokens += len(seqs)
+            return outputs
+
+    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+        seq.append_token(token_id)
+        reason = self._finish_reason(seq, token_id)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        output = self._output(seq, [token_id])
+        if reason is not None:
+            self._forget(seq.request_id)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        del self._seqs[request_id]
+        del self._detokenizers[request_id]
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        if not seq.params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            return "stop"
+        detokenizer = self._detokenizers[seq.request_id]
+        detokenizer.add_token(token_id)
+        if detokenizer.is_stopped:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+        detokenizer = self._detokenizers[seq.request_id]
+        delta_text = detokenizer.take_delta(is_final=seq.is_finished)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            delta_text=delta_text,
+            text=detokenizer.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        with self.lifecycle_lock:
+            return bool(self._seqs or self._pending)
+
+    def stats(self) -> dict:
+        """A snapshot of queue lengths, KV use and counters."""
+        with self.lifecycle_lock:
+            is_open = not self._is_shut_down
+            return {
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": self.kv.num_used_blocks if is_open else 0,
+                "kv_blocks_free": self.kv.num_free_blocks if is_open else 0,
+                "kv_blocks_total": self.num_usable_blocks if is_open else 0,
+                "kv_bytes": self.kv.kv_bytes if is_open else 0,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_steps": self._num_steps,
+                "num_generated_tokens": self._num_generated_tokens,
+                "is_shut_down": self._is_shut_down,
+            }
+
+    def reload_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Swap in new weights in place; ``on_reload`` callbacks run first (graph invalidation).
+
+        Running requests continue; their cached KV was computed with the old weights.
+        """
+        with self.lifecycle_lock:
+            self._check_open()
+            for callback in self.on_reload:
+                callback()
+            with torch.no_grad():
+                self.model.load_state_dict(state_dict, strict=True)
+
+    def shutdown(self) -> None:
+        """Abort every request, release graphs and the KV pool. Safe to call twice."""
+        with self.lifecycle_lock:
+            if self._is_shut_down:
+                return
+            self._is_shut_down = True
+            self.scheduler.abort_all()
+            self._seqs.clear()
+            self._detokenizers.clear()
+            self._pending.clear()
+            graphs, self.graphs = self.graphs, None
+            close = getattr(graphs, "close", None)
+            if callable(close):
+                close()
+            self.runner.decode_fn = self.runner.eager_decode
+            self.kv.release()
+
+    def _check_open(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError("the engine has been shut down")

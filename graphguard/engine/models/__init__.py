@@ -1,0 +1,111 @@
+"""Decoder models of the Llama family over paged KV: the shared trunk and model construction."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from graphguard.engine.attention import AttentionMetadata
+from graphguard.engine.config import ModelConfig
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+# arch -> "module:class"; imported on first use so each family stays in its own file.
+_FAMILIES = {
+    "llama": "graphguard.engine.models.llama:LlamaModel",
+    "qwen3": "graphguard.engine.models.qwen3:Qwen3Model",
+}
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head; families supply the layers.
+
+    Parameter names match Hugging Face checkpoints without their ``model.`` prefix.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self.make_layer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Tied checkpoints have no separate head: compute_logits reads the embedding.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def make_layer(self, config: ModelConfig) -> DecoderLayer:
+        raise NotImplementedError
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv: PagedKVStorage
+    ) -> Tensor:
+        """ids/positions ``[num_tokens]`` int64 -> final hidden states ``[num_tokens, hidden]``."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer, k_cache, v_cache in zip(self.layers, kv.k_cache, kv.v_cache, strict=True):
+            h = layer(h, cos, sin, meta, k_cache, v_cache)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[n, hidden]`` -> ``[n, vocab]`` float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+
+def model_class(arch: str) -> type[DecoderModel]:
+    """The DecoderModel subclass for an architecture name ("llama", "qwen3")."""
+    if arch not in _FAMILIES:
+        raise ValueError(f"unsupported arch {arch!r}; known: {sorted(_FAMILIES)}")
+    module_name, class_name = _FAMILIES[arch].split(":")
+    cls: type[DecoderModel] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int | None = None,
+) -> DecoderModel:
+    """A model with random weights (normal, std 0.02; norms at 1) for tests and benchmarks."""
+    with torch.device("meta"):
+        model = model_class(config.arch)(config)
+    model.to_empty(device=device).to(dtype)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.rotary.reset_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def build_model_from_weights(
+    config: ModelConfig,
+    weights: Mapping[str, Tensor],
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DecoderModel:
+    """A model holding ``weights`` (our parameter names; every parameter must be present)."""
+    with torch.device("meta"):
+        model = model_class(config.arch)(config)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary.reset_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+__all__ = ["DecoderModel", "build_model", "build_model_from_weights", "model_class"]

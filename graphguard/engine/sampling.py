@@ -1,0 +1,107 @@
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_TEMPERATURE = 100.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off;
+    ``seed`` makes a request's draws reproducible whatever else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field whose value cannot be honoured."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or math.isnan(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A private generator for one request, so its draws do not depend on its neighbours."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """Pick one token per row. logits: [num_rows, vocab] float32, real rows only."""
+    if logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError("sample() needs exactly one params and one generator per logits row")
+    logits = logits.float()
+    token_ids = torch.argmax(logits, dim=-1)  # [num_rows]; the answer for greedy rows
+    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        drawn = _sample_random_rows(
+            logits.index_select(0, rows),
+            [params[i] for i in random_rows],
+            [generators[i] for i in random_rows],
+        )
+        token_ids = token_ids.index_copy(0, rows, drawn)
+    return token_ids.tolist()
+
+
+def _sample_random_rows(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """Temperature, then top-k and top-p in sorted space, then one draw per row."""
+    device = logits.device
+    temperatures = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits / temperatures.unsqueeze(1)
+    # NOTE: stable sort keeps the lowest token id first among ties, as argmax does.
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    vocab_size = logits.shape[1]
+    top_ks = torch.tensor([p.top_k or vocab_size for p in params], device=device)
+    ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), -math.inf)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
+    # A token is kept when the mass strictly before it is below top_p (the first always is).
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
+    picks = [torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(len(params))]
+    return sorted_ids.gather(1, torch.stack(picks)).squeeze(1)

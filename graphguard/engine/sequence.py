@@ -1,0 +1,78 @@
+"""Per-request state: tokens, KV blocks, scheduling status and how the request ended."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from graphguard.engine.sampling import SamplingParams
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold the KV of ``num_tokens`` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request as the scheduler sees it.
+
+    Invariant: while RUNNING, the KV of the first ``num_cached_tokens`` tokens is written in
+    ``block_table``; the last token (just sampled) is not yet cached and is the next query.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.generator = generator  # None: draws come from torch's default generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token; every earlier token now has its KV written."""
+        self.num_cached_tokens = self.num_tokens
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,138 @@
+"""Tokenizer: a Hugging Face ``tokenizer.json`` plus its chat template, without transformers.
+
+Loading through ``tokenizers`` directly takes a fraction of a second, where transformers'
+AutoTokenizer takes several; the chat template is rendered with the same Jinja settings
+transformers uses.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+class Tokenizer:
+    """Encode/decode text and render chat messages to prompt token ids."""
+
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        *,
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        # bos_token / eos_token strings, passed to the chat template as variables.
+        self.special_tokens = dict(special_tokens or {})
+        self._template: Any = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``).
+
+        ``eos_token_ids`` (usually from the model config) are merged with the tokenizer's own.
+        """
+        folder = Path(folder)
+        tokenizer = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        special: dict[str, str] = {}
+        for key in ("bos_token", "eos_token"):
+            text = _token_text(config.get(key))
+            if text is not None:
+                special[key] = text
+        template = config.get("chat_template")
+        if (folder / CHAT_TEMPLATE_FILE).is_file():
+            template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        eos_ids = list(eos_token_ids)
+        own_eos = tokenizer.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        if own_eos is not None and own_eos not in eos_ids:
+            eos_ids.append(own_eos)
+        return cls(
+            tokenizer,
+            eos_token_ids=tuple(eos_ids),
+            chat_template=template if isinstance(template, str) else None,
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return str(self._template.render(**variables, **self.special_tokens))
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template itself places any special tokens."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: object) -> str | None:
+    """tokenizer_config stores special tokens as strings or as {"content": ...} dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _compile_template(source: str) -> Any:
+    """Compile a chat template the way transformers does (sandboxed, trimmed blocks)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)

@@ -1,0 +1,157 @@
+"""The FastAPI app: routes, lifespan (engine thread start/stop) and request metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from graphguard.engine.engine import LLMEngine
+from graphguard.server import protocol as p
+from graphguard.server.async_engine import AsyncEngine
+from graphguard.server.config import ServerConfig
+from graphguard.server.errors import install_error_handlers
+from graphguard.server.handlers import ServingContext, create_chat_completion, create_completion
+from graphguard.server.metrics import ServerMetrics
+
+ENDPOINTS = frozenset(
+    {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
+)
+
+router = APIRouter()
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`. Its lifespan starts the engine thread and, on exit, aborts
+    in-flight requests and calls `engine.shutdown()`."""
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics()
+    serving = ServingContext(
+        engine=async_engine,
+        metrics=metrics,
+        tokenizer=engine.tokenizer,
+        model_name=config.model_name,
+        max_model_len=getattr(engine, "max_model_len", engine.config.max_model_len),
+        vocab_size=engine.model_config.vocab_size,
+        max_pool_tokens=engine.stats()["kv_blocks_total"] * engine.config.block_size,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="graphguard", summary="OpenAI-compatible server", lifespan=lifespan)
+    app.state.serving = serving
+    install_error_handlers(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.include_router(router)
+    return app
+
+
+def _serving(request: Request) -> ServingContext:
+    serving: ServingContext = request.app.state.serving
+    return serving
+
+
+Serving = Annotated[ServingContext, Depends(_serving)]
+
+
+@router.get("/health")
+async def health(ctx: Serving) -> JSONResponse:
+    if not ctx.engine.is_running:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Serving) -> p.ModelList:
+    return p.ModelList(data=[p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)])
+
+
+@router.post("/v1/completions")
+async def completions(body: p.CompletionRequest, request: Request, ctx: Serving) -> Response:
+    return await create_completion(ctx, request, body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(
+    body: p.ChatCompletionRequest, request: Request, ctx: Serving
+) -> Response:
+    return await create_chat_completion(ctx, request, body)
+
+
+@router.get("/metrics")
+async def get_metrics(ctx: Serving) -> Response:
+    ctx.metrics.observe_engine(ctx.engine.stats())
+    graphs = getattr(ctx.engine.engine, "graphs", None)
+    # The graph registry's collectors take the graph cache's lock: keep that off the loop.
+    body = await asyncio.to_thread(ctx.metrics.render, graphs)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/graphs")
+async def get_graphs(ctx: Serving) -> JSONResponse:
+    runtime = getattr(ctx.engine.engine, "graphs", None)
+    if runtime is None:
+        return JSONResponse({"enabled": False, "reason": graphs_off_reason(ctx.engine.engine)})
+    stats = await asyncio.to_thread(runtime.stats)
+    return JSONResponse(_jsonable(stats))
+
+
+def graphs_off_reason(engine: LLMEngine) -> str:
+    """Why the engine decodes eagerly, for /v1/graphs and the startup log."""
+    reason = getattr(engine, "graphs_disabled_reason", None)
+    if reason:
+        return str(reason)
+    if engine.config.enforce_eager:
+        return "--enforce-eager is set"
+    return f"no decode graph runner on {getattr(engine, 'device', engine.config.device)}"
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with dict keys as strings and unknown objects as their str(), for JSON."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP response by endpoint and status, including unhandled errors."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+        is_started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal is_started
+            if message["type"] == "http.response.start":
+                is_started = True
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not is_started:  # the outer error middleware will answer 500
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise

@@ -1,0 +1,234 @@
+"""Runs LLMEngine.step() on a thread of its own and delivers outputs to asyncio consumers.
+
+The engine is not thread-safe, so only the engine thread ever touches it: the event loop sends
+commands (add, abort) through a queue and the thread applies them between steps. Each request's
+outputs go to its own asyncio queue through `loop.call_soon_threadsafe`, so the event loop never
+waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from graphguard.engine.engine import LLMEngine, RequestOutput
+from graphguard.engine.sampling import SamplingParams
+
+logger = logging.getLogger("graphguard.server")
+
+
+class EngineClosedError(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, ending with one whose `finished` is True."""
+
+    def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.is_finished = False
+        self.last: RequestOutput | None = None  # written by the engine thread only
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.is_finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.is_finished = True
+            raise item
+        self.is_finished = item.finished
+        return item
+
+
+@dataclass(frozen=True)
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    accepted: Future[None]
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str | None  # None: every request
+
+
+class AsyncEngine:
+    """Owns the engine thread; the asyncio-facing side of one LLMEngine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stats: dict[str, Any] = {}
+        self._is_closing = False
+        self._is_stopping = False
+        self._thread = threading.Thread(target=self._run, name="graphguard-engine", daemon=True)
+
+    # ---- event-loop side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._stats = dict(self.engine.stats())
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Admit a request; raises the engine's ValueError when it refuses it."""
+        if self._is_closing:
+            raise EngineClosedError("the server is shutting down")
+        stream = RequestStream(request_id, len(prompt_token_ids))
+        accepted: Future[None] = Future()
+        self._send(_Add(stream, prompt_token_ids, params, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been admitted just before we were cancelled
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; its stream ends with finish_reason "abort"."""
+        self._send(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """Refuse new requests and abort every admitted one (the first step of shutdown)."""
+        self._is_closing = True
+        self._send(_Abort(None))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of its last step or command (a snapshot; never blocks)."""
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._is_closing
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort everything, stop the thread, then release the engine's graphs and KV."""
+        self.abort_all()
+        self._is_stopping = True
+        self._wakeup.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.engine.shutdown()
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._inbox.put(command)
+        self._wakeup.set()
+
+    # ---- engine-thread side ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve_commands_and_steps()
+        except Exception as exc:
+            # A broken engine must not leave clients waiting forever.
+            logger.exception("engine thread stopped on an unexpected error")
+            self._is_closing = True
+            self._fail_all(exc)
+
+    def _serve_commands_and_steps(self) -> None:
+        while True:
+            # NOTE: clear before draining: a command sent after the drain sets the event
+            # again, so the wait below cannot sleep through it.
+            self._wakeup.clear()
+            self._drain_inbox()
+            if self._is_stopping:
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._wakeup.wait()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+        self._stats = dict(self.engine.stats())
+
+    def _add(self, command: _Add) -> None:
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the client went away before the request reached the engine
+        stream = command.stream
+        try:
+            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params)
+        except Exception as exc:  # noqa: BLE001 - handed back to the caller, not swallowed
+            command.accepted.set_exception(exc)
+            return
+        self._streams[stream.request_id] = stream
+        command.accepted.set_result(None)
+
+    def _abort(self, request_id: str | None) -> None:
+        ids = list(self._streams) if request_id is None else [request_id]
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is None:
+                continue  # finished already, or never admitted
+            self.engine.abort_request(rid)
+            stream.put_threadsafe(_aborted_output(stream))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing its %d requests", len(self._streams))
+            self._fail_all(exc)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.last = output
+            stream.put_threadsafe(output)
+        self._stats = dict(self.engine.stats())
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine is already failing; keep going
+                logger.exception("abort of %s failed after a step error", rid)
+            stream.put_threadsafe(exc)
+        self._streams.clear()
+
+
+def _aborted_output(stream: RequestStream) -> RequestOutput:
+    last = stream.last
+    return RequestOutput(
+        request_id=stream.request_id,
+        new_token_ids=[],
+        delta_text="",
+        text=last.text if last else "",
+        finished=True,
+        finish_reason="abort",
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens if last else 0,
+    )

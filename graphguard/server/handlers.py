@@ -1,0 +1,272 @@
+"""The generation endpoints: an OpenAI request in, engine outputs out as JSON or SSE events.
+
+Completions and chat differ only in how the prompt is tokenized and how outputs are shaped
+(`CompletionFormat` / `ChatFormat`); admission, streaming, disconnects and metrics are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from graphguard.engine.engine import RequestOutput
+from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.tokenizer import Tokenizer
+from graphguard.server import protocol as p
+from graphguard.server.async_engine import AsyncEngine, EngineClosedError, RequestStream
+from graphguard.server.errors import APIError, error_body
+from graphguard.server.metrics import RequestTrace, ServerMetrics
+
+logger = logging.getLogger("graphguard.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What the endpoints need from the server: one per app."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_pool_tokens: int  # tokens the whole KV pool holds; one request can never exceed it
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            message = f"The model '{model}' does not exist; this server serves '{self.model_name}'."
+            raise APIError(404, message, param="model", code="model_not_found")
+
+
+class CompletionFormat:
+    """Shapes outputs as /v1/completions objects."""
+
+    def __init__(self, model: str) -> None:
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.model = model
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
+        choice = p.CompletionChoice(text=delta, finish_reason=finish_reason)
+        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
+
+    def response(self, output: RequestOutput, usage: p.Usage) -> BaseModel:
+        choice = p.CompletionChoice(text=output.text, finish_reason=output.finish_reason)
+        return p.CompletionResponse(
+            id=self.request_id, model=self.model, choices=[choice], usage=usage
+        )
+
+
+class ChatFormat:
+    """Shapes outputs as /v1/chat/completions objects."""
+
+    def __init__(self, model: str) -> None:
+        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.model = model
+
+    def opening(self) -> list[BaseModel]:
+        return [self._chunk(p.ChatDelta(role="assistant", content=""), None)]
+
+    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
+        return self._chunk(p.ChatDelta(content=delta or None), finish_reason)
+
+    def usage_chunk(self, usage: p.Usage) -> BaseModel:
+        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+
+    def response(self, output: RequestOutput, usage: p.Usage) -> BaseModel:
+        message = p.AssistantMessage(content=output.text)
+        choice = p.ChatChoice(message=message, finish_reason=output.finish_reason)
+        return p.ChatCompletionResponse(
+            id=self.request_id, model=self.model, choices=[choice], usage=usage
+        )
+
+    def _chunk(self, delta: p.ChatDelta, finish_reason: str | None) -> p.ChatCompletionChunk:
+        choice = p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+
+OutputFormat = CompletionFormat | ChatFormat
+
+
+async def create_completion(
+    ctx: ServingContext, http_request: Request, body: p.CompletionRequest
+) -> Response:
+    """POST /v1/completions."""
+    trace = RequestTrace()
+    ctx.check_model(body.model)
+    prompt_ids = await _encode_prompt(ctx, body.prompt)
+    room = ctx.max_model_len - len(prompt_ids)
+    max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
+    params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
+    fmt = CompletionFormat(ctx.model_name)
+    return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, http_request: Request, body: p.ChatCompletionRequest
+) -> Response:
+    """POST /v1/chat/completions."""
+    trace = RequestTrace()
+    ctx.check_model(body.model)
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        prompt_ids = await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
+    except Exception as exc:  # the template rejects some conversations (e.g. role order)
+        raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
+    max_tokens = body.requested_max_tokens
+    params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
+    fmt = ChatFormat(ctx.model_name)
+    return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
+
+
+async def _encode_prompt(ctx: ServingContext, prompt: str | list[str] | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return await asyncio.to_thread(ctx.tokenizer.encode, prompt)
+    ids = [int(t) for t in prompt]  # the validator already reduced a list of text to text
+    if any(not 0 <= t < ctx.vocab_size for t in ids):
+        message = f"Token ids must be in [0, {ctx.vocab_size})."
+        raise APIError(400, message, param="prompt", code="invalid_value")
+    return ids
+
+
+def sampling_params(
+    ctx: ServingContext,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    prompt_param: str,
+) -> SamplingParams:
+    """Engine sampling parameters for `body`, refusing requests that cannot fit the context."""
+    room = ctx.max_model_len - num_prompt_tokens
+    limit = f"This model's maximum context length is {ctx.max_model_len} tokens"
+    if room <= 0:
+        message = f"{limit}, but the prompt has {num_prompt_tokens} tokens."
+        raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        message = (
+            f"{limit}; the prompt has {num_prompt_tokens} tokens, so at most {room} "
+            f"completion tokens fit, but {max_tokens} were requested."
+        )
+        raise APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    if max_tokens is None:
+        # Unbounded requests get the room that both the context and the KV pool leave.
+        max_tokens = max(1, min(room, ctx.max_pool_tokens - num_prompt_tokens))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        stop=body.stop_sequences,
+        ignore_eos=body.ignore_eos,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+    return params
+
+
+async def _generate(
+    ctx: ServingContext,
+    http_request: Request,
+    body: p.CompletionRequest | p.ChatCompletionRequest,
+    fmt: OutputFormat,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    trace: RequestTrace,
+) -> Response:
+    try:
+        stream = await ctx.engine.generate(fmt.request_id, prompt_ids, params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_request") from exc
+    except EngineClosedError as exc:
+        raise APIError(503, str(exc)) from exc
+    if body.stream:
+        events = _sse_events(ctx, stream, fmt, trace, body.include_usage)
+        headers = {"Cache-Control": "no-cache", "X-Request-Id": fmt.request_id}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    output = await _collect(ctx, http_request, stream, trace)
+    return JSONResponse(fmt.response(output, _usage(trace)).model_dump())
+
+
+async def _collect(
+    ctx: ServingContext, http_request: Request, stream: RequestStream, trace: RequestTrace
+) -> RequestOutput:
+    """Wait for the final output, aborting the request if the client hangs up first."""
+    watcher = asyncio.create_task(_abort_on_disconnect(ctx, http_request, stream.request_id))
+    output: RequestOutput | None = None
+    try:
+        async for output in stream:
+            trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
+        if output is None:  # a stream always ends with a finished output; never seen
+            raise APIError(500, "The engine ended the request without output.")
+        return output
+    finally:
+        watcher.cancel()
+        if not stream.is_finished:
+            ctx.engine.abort(stream.request_id)
+        ctx.metrics.record_request(trace)
+
+
+async def _abort_on_disconnect(ctx: ServingContext, http_request: Request, request_id: str) -> None:
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
+    ctx.engine.abort(request_id)
+
+
+async def _sse_events(
+    ctx: ServingContext,
+    stream: RequestStream,
+    fmt: OutputFormat,
+    trace: RequestTrace,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events for one request; a client that disconnects aborts it (finally)."""
+    try:
+        for chunk in fmt.opening():
+            yield _sse(chunk)
+        async for output in stream:
+            trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
+            if output.delta_text or output.finished:
+                finish_reason = output.finish_reason if output.finished else None
+                yield _sse(fmt.chunk(output.delta_text, finish_reason))
+        if include_usage:
+            yield _sse(fmt.usage_chunk(_usage(trace)))
+    except Exception as exc:  # the engine failed mid-stream: say so in-band, then end
+        error = APIError(500, f"Generation failed: {exc}", error_type="server_error")
+        yield f"data: {json.dumps(error_body(error))}\n\n"
+    finally:
+        # NOTE: runs on cancellation too, which is how a client disconnect arrives here.
+        if not stream.is_finished:
+            ctx.engine.abort(stream.request_id)
+        ctx.metrics.record_request(trace)
+    yield DONE_EVENT
+
+
+def _sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def _usage(trace: RequestTrace) -> p.Usage:
+    return p.Usage(
+        prompt_tokens=trace.num_prompt_tokens,
+        completion_tokens=trace.num_output_tokens,
+        total_tokens=trace.num_prompt_tokens + trace.num_output_tokens,
+    )

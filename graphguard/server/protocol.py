@@ -1,0 +1,200 @@
+"""OpenAI-shaped request and response bodies.
+
+Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
+infinities are refused at parse time, sampling values are range-checked, and `n` must be 1.
+Unknown fields are ignored, as OpenAI clients send optional extras freely.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_SEQUENCES = 4  # the OpenAI limit
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got n={n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stop
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """`stop` as a tuple, whether it came as a string, a list or nothing."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. `prompt` is text, a one-element list of text, or token ids."""
+
+    prompt: str | list[str] | list[int]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_non_empty_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            prompt = str(prompt[0])
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt  # type: ignore[return-value]  # a list here holds token ids
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The message as the chat template expects it: plain-text content."""
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        # Chat templates of this model family know "system", not the newer "developer".
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or one streamed chunk of it (then `usage` is usually None)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "graphguard"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

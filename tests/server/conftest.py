@@ -1,0 +1,56 @@
+"""One real server for the whole suite: the embedded model behind uvicorn on 127.0.0.1.
+
+The model loads once per session (about 2 s from the user cache, ~35 s the first time). The
+KV pool is deliberately smaller than the context (63 usable blocks x 16 = 1008 tokens against
+max_model_len 1024) so that the engine's own admission check can be exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import uvicorn  # noqa: E402
+from openai import OpenAI  # noqa: E402
+
+from graphguard.engine.config import EngineConfig  # noqa: E402
+from graphguard.engine.engine import LLMEngine  # noqa: E402
+from graphguard.server.app import build_app  # noqa: E402
+from graphguard.server.config import ServerConfig  # noqa: E402
+
+from .helpers import RunningServer, free_port  # noqa: E402
+
+TEST_ENGINE = EngineConfig(max_model_len=1024, max_num_seqs=16, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="session")
+def engine() -> LLMEngine:
+    return LLMEngine(TEST_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def server(engine: LLMEngine) -> Iterator[RunningServer]:
+    config = ServerConfig(port=free_port(), engine=TEST_ENGINE)
+    app = build_app(engine, config)
+    uv = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    )
+    thread = threading.Thread(target=uv.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield RunningServer(f"http://{config.host}:{config.port}", engine)
+    uv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture()
+def client(server: RunningServer) -> OpenAI:
+    return server.openai(timeout=60)

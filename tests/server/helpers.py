@@ -1,0 +1,56 @@
+"""Helpers shared by the server tests: the served model, free ports, polling, scraping."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from graphguard.engine.engine import LLMEngine
+
+MODEL = "SmolLM2-135M-Instruct"
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class RunningServer:
+    base_url: str
+    engine: LLMEngine
+
+    def openai(self, **kwargs: Any) -> OpenAI:
+        return OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs)
+
+    def scrape(self) -> Samples:
+        """/metrics as {(sample name, labels): value}, parsed by prometheus_client."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def sample(self, name: str, **labels: str) -> float:
+        return self.scrape().get((name, frozenset(labels.items())), 0.0)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    """Poll `predicate()` until it is true or `timeout_s` passes; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

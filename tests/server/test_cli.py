@@ -1,0 +1,111 @@
+"""`graphguard serve`: flags default to the config dataclasses; a real process serves and
+shuts down cleanly on SIGTERM, ending in-flight streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from graphguard.server.cli import build_parser, config_from_args
+from graphguard.server.config import ServerConfig
+
+from .helpers import MODEL, free_port, wait_for
+
+FLAGS = (
+    "--model", "--device", "--dtype", "--enforce-eager", "--max-graph-bytes", "--batch-buckets",
+    "--max-num-seqs", "--num-kv-blocks", "--max-model-len", "--host", "--port",
+    "--served-model-name", "--log-level",
+)  # fmt: skip
+
+
+def test_help_lists_every_flag() -> None:
+    text = build_parser().format_help()
+    assert all(flag in text for flag in FLAGS)
+
+
+def test_no_flags_give_the_default_server_config() -> None:
+    assert config_from_args(build_parser().parse_args([])) == ServerConfig()
+
+
+def test_flags_reach_the_engine_config() -> None:
+    args = ["--batch-buckets", "1,2,8", "--max-graph-bytes", "512MiB", "--enforce-eager"]
+    engine = config_from_args(build_parser().parse_args(args)).engine
+    assert engine.batch_buckets == (1, 2, 8)
+    assert engine.max_graph_bytes == 512 << 20
+    assert engine.enforce_eager is True
+
+
+def test_unsorted_batch_buckets_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--batch-buckets", "4,2"])
+
+
+@pytest.fixture()
+def serve_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "graphguard.server.cli", "--port", str(port),
+        "--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "64",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _is_healthy(base_url), timeout_s=90), "serve never got healthy"
+        yield process, base_url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _is_healthy(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_serve_answers_health_then_exits_zero_on_sigterm(
+    serve_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, _ = serve_process
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=10) == 0
+    log = process.stdout.read() if process.stdout else ""
+    assert "decode graphs:" in log and "KV cache:" in log
+
+
+def test_sigterm_ends_an_in_flight_stream_with_abort(
+    serve_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, base_url = serve_process
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    first_event = threading.Event()
+    lines: list[str] = []
+
+    def read_stream() -> None:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    first_event.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first_event.wait(30)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=10) == 0
+    reader.join(10)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"

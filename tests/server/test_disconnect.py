@@ -1,0 +1,49 @@
+"""A client that goes away aborts its request: its sequence and KV blocks are freed at once."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .helpers import MODEL, RunningServer, wait_for
+
+KV_USED = "graphguard_server_kv_blocks_used"
+RUNNING = "graphguard_server_requests_running"
+GENERATED = "graphguard_server_generation_tokens_total"
+# Long enough that finishing naturally takes far longer than the abort is given (~25 ms/token).
+LONG_MAX_TOKENS = 600
+
+
+def _long_request(stream: bool) -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "prompt": "Write a very long story about a lighthouse.",
+        "max_tokens": LONG_MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def test_stream_disconnect_returns_kv_blocks_to_baseline(server: RunningServer) -> None:
+    baseline = server.sample(KV_USED)
+    generated_before = server.sample(GENERATED)
+    url = f"{server.base_url}/v1/completions"
+    with httpx.stream("POST", url, json=_long_request(stream=True), timeout=30) as response:
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+        assert server.sample(KV_USED) > baseline  # the request holds blocks while it runs
+    # Leaving the block closed the connection mid-stream.
+    assert wait_for(lambda: server.sample(KV_USED) == baseline, timeout_s=5)
+    assert wait_for(lambda: server.sample(RUNNING) == 0, timeout_s=5)
+    assert server.sample(GENERATED) - generated_before < LONG_MAX_TOKENS
+
+
+def test_non_streaming_disconnect_returns_kv_blocks_to_baseline(server: RunningServer) -> None:
+    baseline = server.sample(KV_USED)
+    generated_before = server.sample(GENERATED)
+    url = f"{server.base_url}/v1/completions"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=_long_request(stream=False), timeout=httpx.Timeout(30, read=1.0))
+    assert wait_for(lambda: server.sample(KV_USED) == baseline, timeout_s=5)
+    assert server.sample(GENERATED) - generated_before < LONG_MAX_TOKENS

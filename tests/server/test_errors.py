@@ -1,0 +1,139 @@
+"""Bad input gets a 4xx with an OpenAI error body, and the server answers the next request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from .helpers import MODEL, RunningServer
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def _chat(**fields: Any) -> str:
+    return json.dumps({"model": MODEL, "messages": HELLO, **fields})
+
+
+def _completion(**fields: Any) -> str:
+    return json.dumps({"model": MODEL, "prompt": "Hello", **fields})
+
+
+def _with_literal(body: str, key: str, literal: str) -> str:
+    """`body` with `"key": literal` added, for values json.dumps will not write (NaN)."""
+    return body[:-1] + f', "{key}": {literal}}}'
+
+
+# (id, endpoint, raw JSON body, expected status, expected param)
+BAD_REQUESTS = [
+    ("malformed_json", CHAT, '{"model": "x", "messages": [', 400, None),
+    ("body_not_an_object", CHAT, "[1, 2, 3]", 400, None),
+    ("missing_messages", CHAT, json.dumps({"model": MODEL}), 400, "messages"),
+    ("messages_wrong_type", CHAT, _chat(messages="hello"), 400, "messages"),
+    ("max_tokens_wrong_type", COMPLETIONS, _completion(max_tokens="many"), 400, "max_tokens"),
+    ("temperature_wrong_type", CHAT, _chat(temperature="hot"), 400, "temperature"),
+    ("unknown_model", CHAT, _chat(model="gpt-17"), 404, "model"),
+    ("empty_messages", CHAT, _chat(messages=[]), 400, "messages"),
+    ("empty_prompt", COMPLETIONS, _completion(prompt=""), 400, "prompt"),
+    ("prompt_too_long", COMPLETIONS, _completion(prompt="hello " * 1100), 400, "prompt"),
+    (
+        "chat_too_long",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "hi " * 1100}]),
+        400,
+        "messages",
+    ),
+    ("max_tokens_zero", COMPLETIONS, _completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens_negative", CHAT, _chat(max_tokens=-5), 400, "max_tokens"),
+    (
+        "max_completion_tokens_zero",
+        CHAT,
+        _chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+    ),
+    ("max_tokens_past_context", COMPLETIONS, _completion(max_tokens=5000), 400, "max_tokens"),
+    ("temperature_above_2", CHAT, _chat(temperature=2.5), 400, "temperature"),
+    ("temperature_negative", COMPLETIONS, _completion(temperature=-0.1), 400, "temperature"),
+    ("top_p_zero", CHAT, _chat(top_p=0), 400, "top_p"),
+    ("top_p_above_1", COMPLETIONS, _completion(top_p=1.5), 400, "top_p"),
+    (
+        "temperature_nan",
+        CHAT,
+        _with_literal(_chat(), "temperature", "NaN"),
+        400,
+        "temperature",
+    ),
+    (
+        "top_p_infinity",
+        COMPLETIONS,
+        _with_literal(_completion(), "top_p", "Infinity"),
+        400,
+        "top_p",
+    ),
+    ("n_two", CHAT, _chat(n=2), 400, "n"),
+    ("n_zero", COMPLETIONS, _completion(n=0), 400, "n"),
+    ("token_id_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 10**9]), 400, "prompt"),
+    ("too_many_stops", COMPLETIONS, _completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (
+        "unknown_role",
+        CHAT,
+        _chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages.0.role",
+    ),
+]
+
+
+def _post(server: RunningServer, path: str, body: str) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    return httpx.post(f"{server.base_url}{path}", content=body, headers=headers, timeout=30)
+
+
+def _good_request_succeeds(server: RunningServer) -> bool:
+    response = _post(server, COMPLETIONS, _completion(max_tokens=1))
+    return response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "status", "param"),
+    [pytest.param(*case[1:], id=case[0]) for case in BAD_REQUESTS],
+)
+def test_bad_request_gets_openai_error_and_server_keeps_serving(
+    server: RunningServer, endpoint: str, body: str, status: int, param: str | None
+) -> None:
+    response = _post(server, endpoint, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+    assert _good_request_succeeds(server)
+
+
+def test_engine_value_error_becomes_a_400(server: RunningServer) -> None:
+    # Fits the context (1024) but not the KV pool (63 blocks x 16 = 1008 tokens): only the
+    # engine's own admission check can refuse it.
+    response = _post(server, COMPLETIONS, _completion(max_tokens=1010))
+    assert response.status_code == 400, response.text
+    assert "KV blocks" in response.json()["error"]["message"]
+    assert _good_request_succeeds(server)
+
+
+def test_unknown_path_gets_an_openai_style_404(server: RunningServer) -> None:
+    response = httpx.get(f"{server.base_url}/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_sees_bad_request_as_its_error_type(server: RunningServer) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as raised:
+        server.openai().chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert raised.value.status_code == 400
+    assert _good_request_succeeds(server)

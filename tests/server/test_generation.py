@@ -1,0 +1,129 @@
+"""Completions and chat through the openai client: content, streaming, usage, stop, seed."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from .helpers import MODEL, RunningServer
+
+CAPITAL_QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
+
+
+def test_models_lists_the_served_model(client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_greedy_chat_answers_paris(client: OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, temperature=0, max_tokens=12
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_greedy_chat_stream_answers_paris(client: OpenAI) -> None:
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CAPITAL_QUESTION, temperature=0, max_tokens=12, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_greedy_completion_continues_with_paris(client: OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=3
+    )
+    assert reply.choices[0].text.startswith(" Paris")
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_streamed_completion_joins_to_the_non_streamed_text(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 6}
+    whole = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks) == whole
+    assert whole.startswith(" 5, 6")
+
+
+def test_chat_usage_counts_match_the_tokenizer(client: OpenAI, server: RunningServer) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, temperature=0, max_completion_tokens=3
+    )
+    num_prompt = len(
+        server.engine.tokenizer.apply_chat_template([dict(m) for m in CAPITAL_QUESTION])
+    )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == num_prompt
+    assert reply.usage.completion_tokens == 3  # finish_reason "length": exactly max tokens
+    assert reply.usage.total_tokens == num_prompt + 3
+
+
+def test_completion_usage_counts_match_the_tokenizer(client: OpenAI, server: RunningServer) -> None:
+    prompt = "Once upon a time"
+    reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert reply.usage.completion_tokens == 4
+
+
+def test_stream_usage_chunk_matches_the_non_streamed_usage(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 4}
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks = list(
+        client.chat.completions.create(  # type: ignore[call-overload]
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage == whole.usage
+
+
+def test_stop_string_ends_the_completion_before_it(client: OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=12, stop=[" 7", "zz"]
+    )
+    assert reply.choices[0].text == " 5, 6,"
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_same_seed_samples_the_same_text(client: OpenAI) -> None:
+    def draw() -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt="My favourite animal is", temperature=1.0, seed=7, max_tokens=8
+        )
+        return reply.choices[0].text
+
+    assert draw() == draw()
+
+
+def test_sse_stream_is_json_events_ending_in_done(server: RunningServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in response.text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context(
+    client: OpenAI,
+) -> None:
+    # The test pool holds 1008 tokens against a 1024-token context: an unbounded request
+    # must be sized to the pool, not refused by the engine.
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CAPITAL_QUESTION, temperature=0, stop=["."]
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")

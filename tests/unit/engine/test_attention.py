@@ -1,0 +1,145 @@
+"""Paged attention: decode against a dense reference, width padding, cached-prefix prefill."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphguard.engine.attention import (
+    AttentionMetadata,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 16
+SCALE = HEAD_DIM**-0.5
+
+
+def random_cache(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def contiguous(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    return cache[torch.tensor(table)].flatten(0, 1)[:length]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query row per head over all of k/v: q [Hq, D], k/v [T, Hkv, D] -> [Hq, D]."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    probs = torch.softmax(torch.einsum("hd,thd->ht", q, k) * SCALE, dim=-1)
+    return torch.einsum("ht,thd->hd", probs, v)
+
+
+TABLES = [[3, 7, 1], [5, 2, 0], [9, 0, 0]]  # padded with DUMMY_BLOCK 0
+SEQ_LENS = [11, 5, 1]
+
+
+def test_decode_matches_dense_attention_over_each_context() -> None:
+    k_cache, v_cache = random_cache()
+    q = torch.randn(len(TABLES), NUM_HEADS, HEAD_DIM)
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(SEQ_LENS), SCALE)
+    for row, (table, seq_len) in enumerate(zip(TABLES, SEQ_LENS, strict=True)):
+        k, v = contiguous(k_cache, table, seq_len), contiguous(v_cache, table, seq_len)
+        torch.testing.assert_close(out[row], dense_attention(q[row], k, v))
+
+
+def test_decode_is_unchanged_by_padding_the_table_width_with_dummy_blocks() -> None:
+    k_cache, v_cache = random_cache()
+    q = torch.randn(len(TABLES), NUM_HEADS, HEAD_DIM)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    narrow = torch.tensor(TABLES, dtype=torch.int32)
+    wide = torch.cat([narrow, torch.zeros(len(TABLES), 5, dtype=torch.int32)], dim=1)
+    k_cache[0].normal_()  # the dummy block holds garbage from padded rows
+    expected = paged_decode_attention(q, k_cache, v_cache, narrow, seq_lens, SCALE)
+    actual = paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, SCALE)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+
+
+class HostSyncRecorder(TorchDispatchMode):
+    """Records the ops a CUDA graph capture rejects (host reads of device values)."""
+
+    SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._schema.name
+        indices = args[1] if name in ("aten::index", "aten::index_put_") else ()
+        if name in self.SYNC_OPS or any(_is_bool(i) for i in indices):
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_bool(index: object) -> bool:
+    # Boolean-mask indexing hides a nonzero() (a host sync) inside the index kernel.
+    return isinstance(index, torch.Tensor) and index.dtype == torch.bool
+
+
+def test_host_sync_recorder_sees_item_and_mask_indexing() -> None:
+    x = torch.arange(4.0)
+    with HostSyncRecorder() as recorder:
+        x[x > 1].sum().item()
+    assert len(recorder.syncs) == 2
+
+
+def test_decode_makes_no_host_syncs() -> None:
+    k_cache, v_cache = random_cache()
+    q = torch.randn(len(TABLES), NUM_HEADS, HEAD_DIM)
+    k_new = torch.randn(len(TABLES), NUM_KV_HEADS, HEAD_DIM)
+    tables = torch.tensor(TABLES, dtype=torch.int32)
+    with HostSyncRecorder() as recorder:
+        write_kv(k_cache, v_cache, k_new, k_new, torch.tensor([0, 1, 2]))
+        paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(SEQ_LENS), SCALE)
+    assert recorder.syncs == []
+
+
+def prefill_meta(table: list[int], seq_len: int, query_len: int) -> AttentionMetadata:
+    positions = range(seq_len - query_len, seq_len)
+    slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+    return AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([table], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32),
+        seq_lens_cpu=[seq_len],
+        query_lens_cpu=[query_len],
+    )
+
+
+def test_prefill_over_a_cached_prefix_equals_one_full_prefill() -> None:
+    table, seq_len, split = [4, 8, 6], 10, 7
+    q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    full_cache = random_cache()
+    meta = prefill_meta(table, seq_len, seq_len)
+    write_kv(*full_cache, k, v, meta.slot_mapping)
+    expected = paged_prefill_attention(q, k, v, *full_cache, meta, SCALE)
+
+    split_cache = random_cache(seed=1)
+    first, second = prefill_meta(table, split, split), prefill_meta(table, seq_len, seq_len - split)
+    write_kv(*split_cache, k[:split], v[:split], first.slot_mapping)
+    write_kv(*split_cache, k[split:], v[split:], second.slot_mapping)
+    actual = paged_prefill_attention(q[split:], k[split:], v[split:], *split_cache, second, SCALE)
+    torch.testing.assert_close(actual, expected[split:])
+
+
+def test_prefill_is_causal() -> None:
+    table, seq_len = [4, 8, 6], 9
+    q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM)
+    meta = prefill_meta(table, seq_len, seq_len)
+    cache = random_cache()
+    write_kv(*cache, k, v, meta.slot_mapping)
+    out = paged_prefill_attention(q, k, v, *cache, meta, SCALE)
+    for t in (0, 4, 8):
+        torch.testing.assert_close(out[t], dense_attention(q[t], k[: t + 1], v[: t + 1]))

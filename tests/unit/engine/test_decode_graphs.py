@@ -1,0 +1,185 @@
+"""Decode graphs on the engine (SimBackend on CPU): same tokens, capability proof, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphguard.engine.decode_graphs import DecodeGraphs, GraphCapability
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.sampling import SamplingParams
+from tests.unit.engine.fixtures_engine import (  # noqa: F401
+    GREEDY,
+    make_engine,
+    one_torch_thread,
+    run_to_completion,
+    token_ids_of,
+)
+
+PROMPTS = {
+    "a": "The capital of France is",
+    "b": "1, 2, 3, 4,",
+    "c": "Water boils at a temperature of",
+}
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_torch_thread, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("GRAPHGUARD_DISABLE", raising=False)
+
+
+def generate(engine, max_tokens=8, prompts=PROMPTS):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for rid, text in prompts.items():
+        engine.add_request(rid, engine.tokenizer.encode(text), params)
+    outputs = run_to_completion(engine)
+    return {rid: token_ids_of(outs) for rid, outs in outputs.items()}
+
+
+def test_graphs_on_give_the_same_tokens_as_graphs_off(embedded_model):
+    eager = make_engine(embedded_model, enforce_eager=True)
+    graphs = make_engine(embedded_model, graph_backend="sim")
+    try:
+        assert isinstance(graphs.graphs, DecodeGraphs)
+        assert generate(graphs) == generate(eager)
+        stats = graphs.graphs.stats()
+        assert stats["replays"] > 0 and stats["captures"] > 0
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_auto_backend_on_cpu_reports_no_cuda(embedded_model):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    engine = make_engine(embedded_model)
+    try:
+        assert engine.graphs is None
+        assert engine.graphs_disabled_reason == GraphCapability.NO_CUDA.value
+    finally:
+        engine.shutdown()
+
+
+def test_enforce_eager_reports_its_reason(embedded_model):
+    engine = make_engine(embedded_model, enforce_eager=True, graph_backend="sim")
+    try:
+        assert engine.graphs is None and engine.graphs_disabled_reason == "enforce_eager"
+    finally:
+        engine.shutdown()
+
+
+def test_kill_switch_at_start_keeps_graphs_off(embedded_model, monkeypatch):
+    monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        assert engine.graphs is None and engine.graphs_disabled_reason == "kill_switch"
+    finally:
+        engine.shutdown()
+
+
+def test_kv_identity_mismatch_keeps_graphs_off(embedded_model):
+    from graphguard.engine.decode_graphs import check_capability
+
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        engine.runner.kv = PagedKVStorage(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=4,
+            num_blocks=2,
+            block_size=4,
+            dtype=torch.float32,
+            device="cpu",
+        )
+        assert check_capability(engine, "sim") is GraphCapability.KV_IDENTITY_MISMATCH
+    finally:
+        engine.runner.kv = engine.kv
+        engine.shutdown()
+
+
+def test_kill_switch_mid_run_falls_back_at_the_next_step(embedded_model, monkeypatch):
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        engine.add_request(
+            "a",
+            engine.tokenizer.encode(PROMPTS["a"]),
+            SamplingParams(temperature=0.0, max_tokens=12),
+        )
+        for _ in range(5):
+            engine.step()
+        replays = engine.graphs.stats()["replays"]
+        monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
+        engine.step()
+        stats = engine.graphs.stats()
+        assert stats["replays"] == replays and stats["fallbacks"].get("kill_switch") == 1
+    finally:
+        engine.shutdown()
+
+
+def test_reload_invalidates_graphs_before_the_new_weights_are_used(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        generate(engine, max_tokens=4, prompts={"a": PROMPTS["a"]})
+        assert engine.graphs.stats()["entries"] > 0
+        seen = []
+        engine.on_reload.append(lambda: seen.append(engine.graphs.stats()["entries"]))
+        engine.reload_weights(engine.model.state_dict())
+        assert seen == [0]  # graphs were gone before the later callback and the load
+        assert engine.graphs.stats()["evictions"] > 0
+    finally:
+        engine.shutdown()
+
+
+def test_padded_rows_write_only_the_dummy_block(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(4,))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        engine.add_request("b", engine.tokenizer.encode(PROMPTS["b"]), params)
+        engine.step()  # prefill
+        engine.step()  # first decode: seen once, runs eagerly
+        engine.step()  # second decode: captures the 4-row graph
+        kv, dummy = engine.kv, PagedKVStorage.DUMMY_BLOCK
+        real_blocks = set(engine._seqs["b"].block_table)
+        for cache in (*kv.k_cache, *kv.v_cache):
+            cache[dummy].fill_(7.0)  # a sentinel the padded rows must overwrite
+        before = [k.clone() for k in kv.k_cache]
+        engine.step()  # one real row, three padded rows, replayed from the graph
+        assert engine.graphs.stats()["replays"] >= 2
+        for old, new in zip(before, kv.k_cache, strict=True):
+            changed = (old != new).reshape(kv.num_blocks, -1).any(-1)
+            changed_blocks = set(changed.nonzero().flatten().tolist())
+            assert dummy in changed_blocks
+            assert changed_blocks <= real_blocks | {dummy}
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_releases_graphs(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim")
+    generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+    graphs = engine.graphs
+    assert graphs.stats()["entries"] > 0
+    engine.shutdown()
+    engine.shutdown()
+    assert graphs.stats()["entries"] == 0 and graphs.stats()["closed"]
+
+
+def test_warmup_captures_all_padding_keys_largest_first(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(1, 2))
+    try:
+        report = engine.graphs.warmup(batch_sizes=(1, 2), widths=(1, 2), progress=False)
+        assert len(report.captured) == 4 and not report.skipped
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_graph_stats_report_kv_bytes_next_to_graph_bytes(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+        stats = engine.graphs.stats()
+        assert stats["kv_bytes"] == engine.kv.kv_bytes and stats["resident_bytes"] > 0
+        assert stats["graphs"][0]["verified"] == "exact"
+    finally:
+        engine.shutdown()

@@ -1,0 +1,169 @@
+"""LLMEngine lifecycle: request validation, KV sizing, locking, reload and shutdown.
+
+These run on a private tiny random model (the embedded tokenizer, random weights), so they may
+change its weights and release its KV without touching the shared embedded model.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from graphguard.engine.config import EngineConfig, ModelConfig
+from graphguard.engine.engine import LLMEngine, resolve_device, resolve_dtype
+from graphguard.engine.loader import LoadedModel
+from graphguard.engine.models import build_model
+from graphguard.engine.sampling import SamplingParams
+from tests.unit.engine.fixtures_engine import (
+    GREEDY,
+    SMALL_ENGINE,
+    make_engine,
+    run_to_completion,
+)
+
+TINY = ModelConfig(
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    qk_norm=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+
+
+@pytest.fixture
+def tiny(embedded_model: LoadedModel) -> LoadedModel:
+    model = build_model(TINY, dtype=torch.float32, device="cpu", seed=0)
+    return LoadedModel("tiny", model, TINY, embedded_model.tokenizer)
+
+
+@pytest.fixture
+def engine(tiny: LoadedModel) -> LLMEngine:
+    return make_engine(tiny)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], GREEDY, "empty"),
+        ([5] * 64, GREEDY, "max_model_len"),
+        ([5], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5], SamplingParams(temperature=-1.0), "temperature"),
+        ([5], SamplingParams(temperature=101.0), "temperature"),
+        ([5], SamplingParams(temperature=float("nan")), "temperature"),
+        ([5], SamplingParams(top_p=0.0), "top_p"),
+        ([5], SamplingParams(top_p=float("nan")), "top_p"),
+        ([5], SamplingParams(top_k=-1), "top_k"),
+        ([10**6], GREEDY, "token ids"),
+    ],
+)
+def test_bad_request_raises_value_error_naming_the_problem(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_duplicate_request_id_raises_value_error(engine: LLMEngine) -> None:
+    engine.add_request("r", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("r", [7], GREEDY)
+
+
+def test_request_larger_than_the_whole_kv_pool_is_refused(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, num_kv_blocks=3)  # 2 usable blocks of 4 tokens
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("r", [5] * 6, SamplingParams(max_tokens=8))
+
+
+def test_kv_pool_is_sized_from_max_num_seqs_and_max_model_len(engine: LLMEngine) -> None:
+    blocks_per_seq = SMALL_ENGINE["max_model_len"] // SMALL_ENGINE["block_size"]
+    assert engine.stats()["kv_blocks_total"] == SMALL_ENGINE["max_num_seqs"] * blocks_per_seq
+
+
+def test_auto_device_and_dtype_follow_cuda_availability() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_config_refuses_a_token_budget_below_max_model_len() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_model_len=4096, max_num_batched_tokens=2048)
+
+
+def test_step_waits_for_the_lifecycle_lock(engine: LLMEngine) -> None:
+    engine.add_request("r", [5, 6], SamplingParams(max_tokens=1))
+    stepped = threading.Event()
+
+    def step_then_signal() -> None:
+        engine.step()
+        stepped.set()
+
+    worker = threading.Thread(target=step_then_signal)
+    with engine.lifecycle_lock:
+        worker.start()
+        assert not stepped.wait(0.2)
+    worker.join(timeout=10)
+    assert stepped.is_set()
+
+
+def test_reload_runs_callbacks_before_the_new_weights_land(engine: LLMEngine) -> None:
+    new_state = {k: v + 1.0 for k, v in engine.model.state_dict().items()}
+    seen_at_callback: list[torch.Tensor] = []
+    engine.on_reload.append(lambda: seen_at_callback.append(engine.model.norm.weight.clone()))
+    engine.reload_weights(new_state)
+    assert torch.equal(seen_at_callback[0], new_state["norm.weight"] - 1.0)
+    assert torch.equal(engine.model.norm.weight, new_state["norm.weight"])
+
+
+def test_shutdown_releases_kv_and_frees_every_request(engine: LLMEngine) -> None:
+    engine.add_request("r", [5, 6, 7], GREEDY)
+    engine.step()
+    engine.shutdown()
+    assert engine.kv.is_released
+    assert engine.stats()["num_running"] == 0 and not engine.has_unfinished_requests()
+
+
+def test_shutdown_twice_is_harmless_and_later_steps_refuse(engine: LLMEngine) -> None:
+    engine.shutdown()
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("r", [5], GREEDY)
+
+
+def test_shutdown_closes_the_installed_graphs(engine: LLMEngine) -> None:
+    closed: list[bool] = []
+
+    class Graphs:
+        def close(self) -> None:
+            closed.append(True)
+
+    engine.graphs = Graphs()
+    engine.shutdown()
+    assert closed == [True] and engine.graphs is None
+
+
+def test_abort_of_a_waiting_request_reports_abort_without_running_it(
+    engine: LLMEngine,
+) -> None:
+    engine.add_request("r", [5, 6], GREEDY)
+    engine.abort_request("r")
+    outputs = run_to_completion(engine)["r"]
+    assert [(o.finish_reason, o.num_output_tokens) for o in outputs] == [("abort", 0)]
+    assert engine.stats()["num_steps"] == 0

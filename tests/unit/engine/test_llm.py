@@ -1,0 +1,73 @@
+"""The offline API on the real embedded model."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphguard.engine.llm import LLM, CompletionOutput
+from graphguard.engine.loader import LoadedModel
+from graphguard.engine.sampling import SamplingParams
+from tests.unit.engine.fixtures_engine import one_torch_thread  # noqa: F401 (fixture)
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def llm(embedded_model: LoadedModel) -> LLM:
+    return LLM(embedded_model, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def answer(llm: LLM) -> CompletionOutput:
+    return llm.chat(QUESTION, CHAT_GREEDY)
+
+
+def test_chat_answers_the_capital_of_france(answer: CompletionOutput) -> None:
+    assert "Paris" in answer.text
+
+
+def test_eos_ends_the_answer_with_stop(answer: CompletionOutput, llm: LLM) -> None:
+    assert answer.finish_reason == "stop"
+    assert answer.token_ids[-1] in llm.tokenizer.eos_token_ids
+    assert len(answer.token_ids) < CHAT_GREEDY.max_tokens
+
+
+def test_ignore_eos_generates_past_eos(answer: CompletionOutput, llm: LLM) -> None:
+    num_tokens = len(answer.token_ids) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    longer = llm.chat(QUESTION, params)
+    assert (longer.finish_reason, len(longer.token_ids)) == ("length", num_tokens)
+    assert longer.token_ids[: len(answer.token_ids)] == answer.token_ids
+
+
+def test_generate_returns_results_in_prompt_order(llm: LLM) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in (5, 1)]
+    results = llm.generate(["1, 2, 3, 4,", "The capital of France is"], params, use_tqdm=False)
+    assert [r.text for r in results] == [" 5, 6", " Paris"]
+
+
+def test_generate_shows_progress_over_requests(
+    llm: LLM, capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm.generate(["a", "b"], SamplingParams(temperature=0.0, max_tokens=1))
+    assert "2/2" in capsys.readouterr().err
+
+
+def test_generate_accepts_a_single_prompt_string(llm: LLM) -> None:
+    results = llm.generate("The capital of France is", SamplingParams(max_tokens=1), False)
+    assert len(results) == 1 and results[0].num_prompt_tokens == 5
+
+
+def test_a_bad_prompt_fails_the_call_and_leaves_no_request_behind(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.stats()["kv_blocks_used"] == 0
+
+
+def test_one_params_per_prompt_is_enforced(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)

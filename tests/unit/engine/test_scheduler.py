@@ -1,0 +1,149 @@
+"""Scheduler: admission, token budget, block accounting and preemption, on a real KV pool."""
+
+from __future__ import annotations
+
+import torch
+
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.scheduler import Scheduler
+from graphguard.engine.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+
+
+def _scheduler(num_usable_blocks: int, max_num_seqs: int = 8, budget: int = 64) -> Scheduler:
+    kv = PagedKVStorage(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        num_blocks=num_usable_blocks + 1,  # + the reserved dummy block
+        block_size=BLOCK_SIZE,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+
+def _seq(request_id: str, num_prompt_tokens: int) -> Sequence:
+    return Sequence(request_id, list(range(1, num_prompt_tokens + 1)), SamplingParams())
+
+
+def _run_step(scheduler: Scheduler) -> list[str]:
+    """Schedule one step and append a token to every scheduled sequence, as the engine does."""
+    batch = scheduler.schedule()
+    for seq in batch.seqs:
+        seq.append_token(7)
+    return [seq.request_id for seq in batch.seqs]
+
+
+def test_admits_waiting_requests_in_arrival_order() -> None:
+    scheduler = _scheduler(num_usable_blocks=16)
+    for name in "abc":
+        scheduler.add(_seq(name, 5))
+    assert [s.request_id for s in scheduler.schedule().prefills] == ["a", "b", "c"]
+
+
+def test_head_of_queue_that_does_not_fit_blocks_later_requests() -> None:
+    scheduler = _scheduler(num_usable_blocks=3)
+    scheduler.add(_seq("small", 4))  # 1 block
+    scheduler.add(_seq("big", 12))  # 3 blocks: only 2 left
+    scheduler.add(_seq("tiny", 1))  # would fit, but must not overtake "big"
+    assert [s.request_id for s in scheduler.schedule().prefills] == ["small"]
+
+
+def test_max_num_seqs_caps_the_running_set() -> None:
+    scheduler = _scheduler(num_usable_blocks=16, max_num_seqs=2)
+    for name in "abc":
+        scheduler.add(_seq(name, 2))
+    _run_step(scheduler)
+    assert [s.request_id for s in scheduler.running] == ["a", "b"]
+    assert [s.request_id for s in scheduler.waiting] == ["c"]
+
+
+def test_token_budget_caps_the_prefills_of_one_step() -> None:
+    scheduler = _scheduler(num_usable_blocks=16, budget=10)
+    for name in "abc":
+        scheduler.add(_seq(name, 4))
+    assert [s.request_id for s in scheduler.schedule().prefills] == ["a", "b"]
+
+
+def test_a_step_decodes_the_running_and_prefills_the_newly_admitted() -> None:
+    scheduler = _scheduler(num_usable_blocks=16)
+    scheduler.add(_seq("a", 3))
+    _run_step(scheduler)
+    scheduler.add(_seq("b", 3))
+    batch = scheduler.schedule()
+    assert [s.request_id for s in batch.decodes] == ["a"]
+    assert [s.request_id for s in batch.prefills] == ["b"]
+    assert batch.num_batched_tokens == 1 + 3
+
+
+def test_decode_takes_a_new_block_only_when_crossing_a_block_boundary() -> None:
+    scheduler = _scheduler(num_usable_blocks=4)
+    seq = _seq("a", 3)
+    scheduler.add(seq)
+    _run_step(scheduler)  # prefill of 3 tokens: 1 block; now 4 tokens, the 4th uncached
+    assert len(seq.block_table) == 1
+    _run_step(scheduler)  # decode at position 3: still block 0
+    assert len(seq.block_table) == 1
+    _run_step(scheduler)  # decode at position 4: needs a second block
+    assert len(seq.block_table) == 2
+
+
+def test_out_of_blocks_preempts_the_most_recently_admitted() -> None:
+    scheduler = _scheduler(num_usable_blocks=2)
+    first, second = _seq("first", 4), _seq("second", 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    _run_step(scheduler)  # both prefilled, one block each; both now need a second block
+    assert _run_step(scheduler) == ["first"]
+    assert second.status is SequenceStatus.WAITING
+    assert second.block_table == [] and second.output_token_ids == [7]
+    assert list(scheduler.waiting) == [second]
+    assert scheduler.num_preemptions == 1
+
+
+def test_preempted_sequence_is_readmitted_to_recompute_prompt_and_output() -> None:
+    scheduler = _scheduler(num_usable_blocks=2)
+    first, second = _seq("first", 4), _seq("second", 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    _run_step(scheduler)
+    _run_step(scheduler)  # second preempted with 5 tokens
+    scheduler.finish(first, "length")
+    batch = scheduler.schedule()
+    assert batch.prefills == [second]
+    assert second.num_cached_tokens == 0 and second.num_tokens == 5
+    assert len(second.block_table) == 2
+
+
+def test_a_lone_sequence_without_a_free_block_preempts_itself() -> None:
+    scheduler = _scheduler(num_usable_blocks=1)
+    seq = _seq("a", 4)
+    scheduler.add(seq)
+    _run_step(scheduler)
+    assert scheduler.schedule().is_empty
+    assert list(scheduler.waiting) == [seq] and scheduler.kv.num_free_blocks == 1
+
+
+def test_finish_returns_every_block() -> None:
+    scheduler = _scheduler(num_usable_blocks=8)
+    seq = _seq("a", 9)
+    scheduler.add(seq)
+    _run_step(scheduler)
+    scheduler.finish(seq, "stop")
+    assert scheduler.kv.num_free_blocks == 8 and not scheduler.has_unfinished()
+
+
+def test_abort_frees_blocks_of_a_running_request_at_once() -> None:
+    scheduler = _scheduler(num_usable_blocks=8)
+    scheduler.add(_seq("a", 9))
+    _run_step(scheduler)
+    aborted = scheduler.abort("a")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert scheduler.kv.num_free_blocks == 8
+
+
+def test_abort_of_unknown_request_is_a_no_op() -> None:
+    assert _scheduler(num_usable_blocks=2).abort("nope") is None
