@@ -12,11 +12,15 @@ p50 >= 2x better than eager.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
 
 import torch
+
+# Pinned cuBLAS workspaces: the same kernels on every stream (docs/runtime.md).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

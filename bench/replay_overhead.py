@@ -10,10 +10,14 @@ than eager there) and a capture under 100 ms per shape.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import torch
+
+# Pinned cuBLAS workspaces: the same kernels on every stream (docs/runtime.md).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

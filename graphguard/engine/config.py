@@ -88,7 +88,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0 -> sized from max_num_seqs * max_model_len
+    num_kv_blocks: int = 0  # 0 -> max_num_seqs full-length requests, within a memory allowance
     seed: int = 0
     graph_backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
 

@@ -24,6 +24,8 @@ from graphguard.engine.sampling import SamplingParams, make_generator, sample
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
 
+KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
+KV_BYTES_ON_CPU = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,10 +97,7 @@ class LLMEngine:
         install_decode_graphs(self)
 
     def _build_kv(self) -> PagedKVStorage:
-        num_blocks = self.config.num_kv_blocks
-        if num_blocks == 0:
-            per_seq = num_blocks_for(self.max_model_len, self.config.block_size)
-            num_blocks = self.config.max_num_seqs * per_seq + 1  # + the reserved dummy block
+        num_blocks = self.config.num_kv_blocks or self._auto_num_blocks()
         mc = self.model_config
         return PagedKVStorage(
             num_layers=mc.num_layers,
@@ -109,6 +108,24 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
+
+    def _auto_num_blocks(self) -> int:
+        """Enough blocks for max_num_seqs full-length requests, within a memory allowance.
+
+        The allowance is a share of the device's free memory on CUDA and a fixed size on CPU,
+        so that a laptop start does not zero gigabytes; the scheduler preempts past it.
+        """
+        mc, block_size = self.model_config, self.config.block_size
+        per_seq = num_blocks_for(self.max_model_len, block_size)
+        wanted = self.config.max_num_seqs * per_seq + 1  # + the reserved dummy block
+        block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
+        block_bytes *= self.dtype.itemsize
+        if self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            allowance = int(free_bytes * KV_SHARE_OF_FREE_CUDA_MEMORY)
+        else:
+            allowance = KV_BYTES_ON_CPU
+        return max(per_seq + 1, min(wanted, allowance // block_bytes))
 
     @property
     def num_usable_blocks(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -115,8 +116,9 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=_ENGINE.num_kv_blocks,
         metavar="N",
-        help=f"KV cache blocks of {_ENGINE.block_size} tokens; 0 sizes the pool "
-        "for max-num-seqs full-length requests (default: 0)",
+        help=f"KV cache blocks of {_ENGINE.block_size} tokens; 0 sizes the pool for "
+        "max-num-seqs full-length requests, capped at half the free GPU memory or 1 GiB on "
+        "CPU (default: 0)",
     )
     group.add_argument(
         "--enforce-eager",
@@ -223,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before CUDA starts: pinned cuBLAS workspaces keep kernel choice the same on every stream,
+    # which bitwise parity between a graph and eager relies on (docs/runtime.md).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Imported here: `--help` must not pay for torch, transformers and FastAPI.
     from graphguard.engine.engine import LLMEngine
     from graphguard.server.app import build_app

@@ -1,0 +1,143 @@
+"""Decode graphs in the engine on a real CUDA device (random SmolLM2-shaped bf16 weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.decode import NumberTokenizer
+from graphguard.core.verify import VerifyConfig
+from graphguard.engine.config import PRESETS, EngineConfig
+from graphguard.engine.decode_graphs import DecodeGraphs
+from graphguard.engine.engine import LLMEngine
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.loader import LoadedModel
+from graphguard.engine.models import build_model
+from graphguard.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    config = PRESETS["smollm2-135m"]
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", seed=0)
+    return LoadedModel("smollm2-random", model, config, NumberTokenizer(config))  # type: ignore[arg-type]
+
+
+def make(loaded: LoadedModel, **overrides) -> LLMEngine:
+    settings = dict(
+        max_num_seqs=32,
+        max_model_len=96,
+        max_num_batched_tokens=512,
+        num_kv_blocks=32 * 6 + 1,
+        batch_buckets=(1, 2, 4, 8, 16, 32),
+    )
+    return LLMEngine(EngineConfig(**{**settings, **overrides}), loaded)
+
+
+def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
+    """Requests arrive 1, 2, 3, ... per step, so steps mix prefills with decodes at every size."""
+    g = torch.Generator().manual_seed(0)
+    pending = [
+        torch.randint(10, 40000, (int(n),), generator=g).tolist()
+        for n in torch.randint(3, 30, (num,), generator=g)
+    ]
+    tokens: dict[str, list[int]] = {}
+    arrivals = 1
+    while pending or engine.has_unfinished_requests():
+        for _ in range(min(arrivals, len(pending))):
+            engine.add_request(f"r{num - len(pending)}", pending.pop(0), GREEDY)
+        arrivals += 1
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def test_graphs_are_on_with_the_capability_proof(loaded):
+    engine = make(loaded)
+    try:
+        assert isinstance(engine.graphs, DecodeGraphs) and engine.graphs_disabled_reason is None
+    finally:
+        engine.shutdown()
+
+
+def test_decode_replays_are_bitwise_equal_to_eager_for_buckets_1_to_32(loaded):
+    eager, graphs = make(loaded, enforce_eager=True), make(loaded)
+    graphs.graphs.runner.verify = VerifyConfig("exact", reverify_every=1)  # every replay checked
+    try:
+        expected, got = staggered(eager), staggered(graphs)
+        stats = graphs.graphs.stats()
+        assert got == expected
+        assert stats["parity_mismatches"] == 0 and stats["quarantined_keys"] == 0, stats
+        rows = {g["rows"] for g in stats["graphs"]}
+        assert max(rows) == 32 and len(rows) >= 4, rows
+        assert stats["replays"] > 100
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_padded_rows_never_change_a_real_rows_kv(loaded):
+    engine = make(loaded, batch_buckets=(4,))
+    try:
+        for i in range(3):
+            engine.add_request(f"r{i}", [11 + i, 12, 13, 14, 15], GREEDY)
+        for _ in range(4):
+            engine.step()  # prefill, then decode steps until the 4-row graph replays
+        kv, dummy = engine.kv, PagedKVStorage.DUMMY_BLOCK
+        real = {b for seq in engine._seqs.values() for b in seq.block_table}
+        for cache in (*kv.k_cache, *kv.v_cache):
+            cache[dummy].fill_(7.0)
+        before = [c.clone() for c in (*kv.k_cache, *kv.v_cache)]
+        replays = engine.graphs.stats()["replays"]
+        engine.step()  # three real rows, one padded row
+        assert engine.graphs.stats()["replays"] == replays + 1
+        for old, new in zip(before, (*kv.k_cache, *kv.v_cache), strict=True):
+            changed = set(
+                (old != new).reshape(kv.num_blocks, -1).any(-1).nonzero().flatten().tolist()
+            )
+            assert dummy in changed and changed <= real | {dummy}
+    finally:
+        engine.shutdown()
+
+
+def test_reload_invalidates_graphs_and_new_weights_are_used(loaded):
+    eager, graphs = make(loaded, enforce_eager=True), make(loaded)
+    try:
+        staggered(graphs, num=4)
+        assert graphs.graphs.stats()["entries"] > 0
+        state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+        changed = {k: v * 1.01 if k.endswith("down_proj.weight") else v for k, v in state.items()}
+        graphs.reload_weights(changed)
+        assert graphs.graphs.stats()["entries"] == 0
+        after_graphs = staggered(graphs, num=4)
+        after_eager = staggered(eager, num=4)  # the same module: it sees the reloaded weights
+        assert after_graphs == after_eager
+        graphs.reload_weights(state)
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_kill_switch_mid_run_falls_back_at_the_next_step(loaded, monkeypatch):
+    monkeypatch.delenv("GRAPHGUARD_DISABLE", raising=False)
+    engine = make(loaded)
+    try:
+        engine.add_request(
+            "a", [11, 12, 13], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        )
+        for _ in range(6):
+            engine.step()
+        replays = engine.graphs.stats()["replays"]
+        assert replays > 0
+        monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
+        engine.step()
+        stats = engine.graphs.stats()
+        assert stats["replays"] == replays and stats["fallbacks"]["kill_switch"] == 1
+        monkeypatch.delenv("GRAPHGUARD_DISABLE")
+        engine.step()
+        assert engine.graphs.stats()["replays"] == replays + 1
+    finally:
+        engine.shutdown()
