@@ -46,6 +46,9 @@ class NumberTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [int(t) for t in text.split()]
 
+    def token_to_id(self, token: str) -> int | None:
+        return None  # no special tokens (so no image placeholder either)
+
 
 def prompts(num: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(num)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bench.decode import NumberTokenizer
+from graphguard.core.admission import AdmissionConfig, AdmissionPolicy
 from graphguard.core.verify import VerifyConfig
 from graphguard.engine.config import PRESETS, EngineConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
@@ -38,7 +39,8 @@ def make(loaded: LoadedModel, **overrides) -> LLMEngine:
 
 
 def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
-    """Requests arrive 1, 2, 3, ... per step, so steps mix prefills with decodes at every size."""
+    """Requests arrive 1, 2, 3, ... per step and stop after 4 to 66 tokens, so steps mix
+    prefills with decodes and the batch passes through every size from 1 to 32 and back."""
     g = torch.Generator().manual_seed(0)
     pending = [
         torch.randint(10, 40000, (int(n),), generator=g).tolist()
@@ -48,7 +50,9 @@ def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
     arrivals = 1
     while pending or engine.has_unfinished_requests():
         for _ in range(min(arrivals, len(pending))):
-            engine.add_request(f"r{num - len(pending)}", pending.pop(0), GREEDY)
+            index = num - len(pending)
+            params = SamplingParams(temperature=0.0, max_tokens=4 + 2 * index, ignore_eos=True)
+            engine.add_request(f"r{index}", pending.pop(0), params)
         arrivals += 1
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -65,15 +69,18 @@ def test_graphs_are_on_with_the_capability_proof(loaded):
 
 def test_decode_replays_are_bitwise_equal_to_eager_for_buckets_1_to_32(loaded):
     eager, graphs = make(loaded, enforce_eager=True), make(loaded)
-    graphs.graphs.runner.verify = VerifyConfig("exact", reverify_every=1)  # every replay checked
+    runner = graphs.graphs.runner
+    runner.verify = VerifyConfig("exact", reverify_every=1)  # every replay checked
+    capture_all = AdmissionConfig(min_hits=1, max_capture_fraction=1.0)
+    runner.policy = AdmissionPolicy(capture_all, runner.clock)
     try:
         expected, got = staggered(eager), staggered(graphs)
         stats = graphs.graphs.stats()
         assert got == expected
         assert stats["parity_mismatches"] == 0 and stats["quarantined_keys"] == 0, stats
         rows = {g["rows"] for g in stats["graphs"]}
-        assert max(rows) == 32 and len(rows) >= 4, rows
-        assert stats["replays"] > 100
+        assert rows == {1, 2, 4, 8, 16, 32}, rows
+        assert stats["replays"] > 50
     finally:
         eager.shutdown()
         graphs.shutdown()
