@@ -124,7 +124,11 @@ def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     engine_config = EngineConfig(
-        device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len
+        model=args.model_path,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
     )
     config = ServerConfig(port=port, engine=engine_config)
     app = build_app(LLMEngine(engine_config), config)
@@ -148,6 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", default="auto", help="for the in-process server")
+    parser.add_argument("--model-path", help="in-process server: a model folder or .gguf file")
+    parser.add_argument("--enforce-eager", action="store_true", help="in-process: no graphs")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="for the in-process server")
     parser.add_argument("--max-model-len", type=int, default=512, help="in-process server")
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_load.json"))

@@ -11,12 +11,14 @@ which retire() also takes.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
+_BINDINGS = (("cuda.bindings.runtime", "cuda.bindings.driver"), ("cuda.cudart", "cuda.cuda"))
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,15 @@ def unavailable(why: str) -> NodeInventory:
 
 def load_bindings() -> tuple[Any, Any] | str:
     """(runtime, driver) modules of cuda.bindings (or of older cuda-python), or why not."""
-    try:
-        from cuda.bindings import driver, runtime
-
-        return runtime, driver
-    except ImportError:
-        pass
-    try:  # cuda-python before 12.6 exposed the same bindings under these names
-        from cuda import cuda as driver  # type: ignore[no-redef]
-        from cuda import cudart as runtime  # type: ignore[no-redef]
-
-        return runtime, driver
-    except ImportError:
-        return "cuda.bindings is not installed (pip install cuda-bindings)"
+    # cuda-python before 12.6 exposed the same bindings as cuda.cudart and cuda.cuda.
+    for runtime, driver in _BINDINGS:
+        try:
+            return importlib.import_module(runtime), importlib.import_module(driver)
+        except ImportError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - a broken install reads as unavailable
+            return f"cuda.bindings cannot be imported ({type(exc).__name__}: {exc})"
+    return "cuda.bindings is not installed (pip install cuda-bindings)"
 
 
 def read_inventory(graph: Any, backend_name: str | None) -> NodeInventory:
@@ -106,7 +104,7 @@ def _read(cudart: Any, driver: Any, handle: int) -> NodeInventory:
             return unavailable(f"cudaGraphNodeGetType: {_error_name(err)}")
         types[_type_name(node_type)] += 1
         if node_type == kernel_type:
-            kernels[kernel_name(driver, int(node))] += 1
+            kernels[_safe_kernel_name(driver, int(node))] += 1
     return NodeInventory(
         num_nodes=len(nodes),
         node_types=dict(types.most_common()),
@@ -125,6 +123,14 @@ def _graph_nodes(cudart: Any, graph: Any) -> list[Any] | str:
     if err != cudart.cudaError_t.cudaSuccess:
         return f"cudaGraphGetNodes: {_error_name(err)}"
     return list(nodes)[:count]
+
+
+def _safe_kernel_name(driver: Any, node_handle: int) -> str:
+    # One unreadable name (say, a driver without cuFuncGetName) keeps the node counts.
+    try:
+        return kernel_name(driver, node_handle)
+    except Exception as exc:  # noqa: BLE001
+        return f"<unknown: {type(exc).__name__}: {exc}>"
 
 
 def kernel_name(driver: Any, node_handle: int) -> str:

@@ -13,6 +13,8 @@ from graphguard.core.reasons import ALL_REASONS
 
 CAPTURE_OUTCOMES = ("admitted", "failed", "parity_mismatch", "over_budget")
 EVICTION_CAUSES = ("budget", "reverify", "invalidate", "close")
+PREWARM_OUTCOMES = ("prewarmed", "skipped")
+PREWARM_REFUSALS = ("unreadable", "version", "torch", "device", "model")
 
 
 class GraphMetrics:
@@ -54,6 +56,19 @@ class GraphMetrics:
         self.quarantined = Gauge(
             "graphguard_quarantined_keys", "Keys backing off after a failure", registry=r
         )
+        self.prewarm_seconds = Gauge(
+            "graphguard_prewarm_seconds", "Time the last prewarm from a manifest took", registry=r
+        )
+        self.prewarm_keys = Counter(
+            "graphguard_prewarm_keys", "Manifest keys by prewarm outcome", ["outcome"], registry=r
+        )
+        self.prewarm_refusals = Counter(
+            "graphguard_prewarm_refusals", "Manifests refused, by reason", ["reason"], registry=r
+        )
+        for outcome in PREWARM_OUTCOMES:
+            self.prewarm_keys.labels(outcome)
+        for refusal in PREWARM_REFUSALS:
+            self.prewarm_refusals.labels(refusal)
         for outcome in CAPTURE_OUTCOMES:
             self.captures.labels(outcome)
         for reason in ALL_REASONS:

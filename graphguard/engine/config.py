@@ -91,6 +91,7 @@ class EngineConfig:
     num_kv_blocks: int = 0  # 0 -> max_num_seqs full-length requests, within a memory allowance
     seed: int = 0
     graph_backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
+    graph_manifest: str | None = None  # prewarm the decode graphs of this manifest at start
 
     def __post_init__(self) -> None:
         if self.graph_backend not in ("auto", "cuda", "sim"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -21,8 +22,10 @@ import torch
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.export import export_manifest, model_identity
 from graphguard.core.keys import Buckets
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.prewarm import prewarm
 from graphguard.core.runner import GraphRunner, WarmupReport, kill_switch_on
 from graphguard.engine.kv import PagedKVStorage
 
@@ -83,6 +86,13 @@ class DecodeGraphs:
         self.metrics = metrics or GraphMetrics()
         self.registry = self.metrics.registry
         self.kv_bytes = engine.kv.kv_bytes
+        # What a manifest must match to prewarm these graphs: model, shapes, dtype, KV layout.
+        self.model_identity = model_identity(
+            engine.loaded.name,
+            engine.model_config,
+            dtype=engine.dtype,
+            block_size=engine.config.block_size,
+        )
         self.runner = GraphRunner(
             engine.runner.eager_decode,
             buckets=Buckets(batch=engine.config.batch_buckets, pad_value=DECODE_PAD),
@@ -115,6 +125,14 @@ class DecodeGraphs:
         device = self.runner.backend.device if self.runner.backend is not None else "cpu"
         examples = [_dummy_batch(b, w, device) for b in batch_sizes for w in widths]
         return self.runner.warmup(examples, progress=progress)
+
+    def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write the decode graphs' manifest, with the model identity, to `path`."""
+        return export_manifest(self.runner, path, model=self.model_identity)
+
+    def prewarm(self, manifest: Any, progress: bool = True) -> WarmupReport:
+        """Capture the manifest's decode keys; refused (lazy start) for another model."""
+        return prewarm(self.runner, manifest, progress=progress, model=self.model_identity)
 
     def invalidate(self) -> None:
         """Retire every graph (new weights): called before the weights change."""
@@ -154,6 +172,8 @@ def install_decode_graphs(engine: LLMEngine) -> GraphCapability:
     if capability is not GraphCapability.ENABLED:
         engine.graphs_disabled_reason = capability.value
         log.info("graphguard decode graphs off: %s", capability.value)
+        if engine.config.graph_manifest:
+            log.info("graphguard manifest %s unused: graphs off", engine.config.graph_manifest)
         return capability
     graphs = DecodeGraphs(engine, backend=backend)
     engine.graphs = graphs
@@ -165,4 +185,14 @@ def install_decode_graphs(engine: LLMEngine) -> GraphCapability:
         list(engine.config.batch_buckets),
         engine.config.max_graph_bytes,
     )
+    if engine.config.graph_manifest:
+        _prewarm_from(graphs, engine.config.graph_manifest)
     return capability
+
+
+def _prewarm_from(graphs: DecodeGraphs, manifest: str) -> None:
+    # NOTE: a start never fails for a manifest: refusals and errors leave graphs lazy.
+    try:
+        graphs.prewarm(manifest)
+    except Exception:  # noqa: BLE001
+        log.exception("graphguard prewarm from %s failed; graphs will be captured lazily", manifest)

@@ -20,9 +20,11 @@ from graphguard.engine.detokenize import IncrementalDetokenizer
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model
 from graphguard.engine.model_runner import ModelRunner
+from graphguard.engine.prefill_graphs import install_prefill_graphs
 from graphguard.engine.sampling import SamplingParams, make_generator, sample
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
+from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
 KV_BYTES_ON_CPU = 1 << 30
@@ -95,6 +97,13 @@ class LLMEngine:
         self._num_steps = 0
         self._num_generated_tokens = 0
         install_decode_graphs(self)
+        self.prefill_graphs: Any = None  # PrefillGraphs when the capability proof passes
+        install_prefill_graphs(self)
+        # Image input (random-weight tower; see graphguard/engine/vision.py).
+        hidden_size = self.model_config.hidden_size
+        self.vision = engine_vision_encoder(
+            self.tokenizer, hidden_size, dtype=self.dtype, device=self.device
+        )
 
     def _build_kv(self) -> PagedKVStorage:
         num_blocks = self.config.num_kv_blocks or self._auto_num_blocks()
@@ -132,15 +141,26 @@ class LLMEngine:
         return self.kv.num_free_blocks + self.kv.num_used_blocks
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list[torch.Tensor] | None = None,
     ) -> None:
-        """Queue a request; ValueError with the reason if it can never be served."""
+        """Queue a request; ValueError with the reason if it can never be served.
+
+        ``images`` are pixel tensors ``[3, S, S]`` (graphguard.engine.images.load_image); the
+        prompt must hold ``vision.num_tokens_per_image`` placeholder tokens for each.
+        """
         with self.lifecycle_lock:
             self._check_open()
             self._validate_request(request_id, prompt_token_ids, params)
+            image_input = self._embed_images(prompt_token_ids, images) if images else None
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = make_generator(seed, self.device)
             seq = Sequence(request_id, prompt_token_ids, params, generator)
+            if image_input is not None:
+                seq.image_embeds, seq.image_positions = image_input
             self._seqs[request_id] = seq
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop
@@ -170,6 +190,13 @@ class LLMEngine:
                 f"request needs up to {num_blocks} KV blocks but the pool has "
                 f"{self.num_usable_blocks}; raise num_kv_blocks or lower max_tokens"
             )
+
+    def _embed_images(
+        self, prompt_token_ids: list[int], images: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[int]]:
+        if self.vision is None:
+            raise ValueError("this engine has no vision encoder; images are not accepted")
+        return request_image_embeds(self.vision, prompt_token_ids, images)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks; unknown ids are ignored."""
@@ -285,6 +312,10 @@ class LLMEngine:
             if callable(close):
                 close()
             self.runner.decode_fn = self.runner.eager_decode
+            prefill, self.prefill_graphs = self.prefill_graphs, None
+            if prefill is not None:
+                prefill.close()
+            self.runner.prefill_fn = self.runner.eager_prefill
             self.kv.release()
 
     def _check_open(self) -> None:

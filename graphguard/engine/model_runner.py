@@ -1,6 +1,7 @@
 """Turns a scheduled batch into model inputs and logits.
 
-Prefills run eagerly as one call over the packed tokens of all prefilling sequences. Decode rows
+Prefills run as one call over the packed tokens of all prefilling sequences, through
+``prefill_fn`` (eager; segmented prefill graphs may replace it), image rows spliced in. Decode rows
 go through ``decode_fn``, which the graph layer may replace with a graph-backed callable of the
 same signature; its inputs depend only on (num_seqs, width), with the block-table width padded
 up to a power-of-two number of blocks so that few shapes recur.
@@ -16,12 +17,15 @@ from torch import Tensor
 from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
+from graphguard.engine.prefill_graphs import ImageSplice, eager_prefill, image_splice
 from graphguard.engine.scheduler import ScheduledBatch
 from graphguard.engine.sequence import Sequence
 
 # decode_fn(input_ids_gpu[B], positions_gpu[B], block_tables_gpu[B, W], seq_lens_gpu[B],
 #           slot_mapping_gpu[B]) -> logits[B, vocab] float32
 DecodeFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+# prefill_fn(input_ids_gpu[T], positions_gpu[T], meta, image splice or None) -> hidden[T, hidden]
+PrefillFn = Callable[[Tensor, Tensor, AttentionMetadata, ImageSplice | None], Tensor]
 
 
 def width_bucket(num_blocks: int) -> int:
@@ -38,6 +42,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.decode_fn: DecodeFn = self.eager_decode
+        self.prefill_fn: PrefillFn = self.eager_prefill
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -74,7 +79,8 @@ class ModelRunner:
             query_lens_cpu=query_lens,
         )
         ids_gpu = self._tensor(input_ids, torch.int64)
-        hidden = self.model(ids_gpu, self._tensor(positions, torch.int64), meta, self.kv)
+        splice = image_splice(seqs, self.device)
+        hidden = self.prefill_fn(ids_gpu, self._tensor(positions, torch.int64), meta, splice)
         last_rows = self._tensor([end - 1 for end in query_start_loc[1:]], torch.int64)
         return self.model.compute_logits(hidden.index_select(0, last_rows)).float()
 
@@ -115,6 +121,16 @@ class ModelRunner:
         with torch.no_grad():
             hidden = self.model(input_ids_gpu, positions_gpu, meta, self.kv)
             return self.model.compute_logits(hidden)
+
+    def eager_prefill(
+        self,
+        input_ids_gpu: Tensor,
+        positions_gpu: Tensor,
+        meta: AttentionMetadata,
+        splice: ImageSplice | None,
+    ) -> Tensor:
+        """The default prefill_fn: the model's eager forward, with image rows spliced in."""
+        return eager_prefill(self.model, self.kv, input_ids_gpu, positions_gpu, meta, splice)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]

@@ -43,6 +43,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        # Image input: embeddings [len(image_positions), hidden] replace the input embeddings
+        # of the prompt tokens at image_positions during prefill (graphguard.engine.vision).
+        self.image_embeds: torch.Tensor | None = None
+        self.image_positions: list[int] = []
 
     @property
     def token_ids(self) -> list[int]:

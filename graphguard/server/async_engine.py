@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from torch import Tensor
+
 from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.sampling import SamplingParams
 
@@ -64,6 +66,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     accepted: Future[None]
+    images: list[Tensor] | None = None  # pixel tensors, one per image placeholder run
 
 
 @dataclass(frozen=True)
@@ -91,14 +94,18 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        images: list[Tensor] | None = None,
     ) -> RequestStream:
         """Admit a request; raises the engine's ValueError when it refuses it."""
         if self._is_closing:
             raise EngineClosedError("the server is shutting down")
         stream = RequestStream(request_id, len(prompt_token_ids))
         accepted: Future[None] = Future()
-        self._send(_Add(stream, prompt_token_ids, params, accepted))
+        self._send(_Add(stream, prompt_token_ids, params, accepted, images))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -177,7 +184,11 @@ class AsyncEngine:
             return  # the client went away before the request reached the engine
         stream = command.stream
         try:
-            self.engine.add_request(stream.request_id, command.prompt_token_ids, command.params)
+            # Images only when present, so engines without image input keep working.
+            extra = {"images": command.images} if command.images else {}
+            self.engine.add_request(
+                stream.request_id, command.prompt_token_ids, command.params, **extra
+            )
         except Exception as exc:  # noqa: BLE001 - handed back to the caller, not swallowed
             command.accepted.set_exception(exc)
             return

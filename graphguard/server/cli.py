@@ -134,6 +134,13 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="byte budget of the decode graph cache, e.g. "
         f"512MiB or 2GiB (default: {format_bytes(_ENGINE.max_graph_bytes)})",
     )
+    group.add_argument(
+        "--graph-manifest",
+        default=_ENGINE.graph_manifest,
+        metavar="PATH",
+        help="prewarm the decode graphs listed in this manifest (written by export()) at start; "
+        "a manifest from another torch, device or model is refused and graphs start lazily",
+    )
     buckets = ",".join(str(b) for b in _ENGINE.batch_buckets)
     group.add_argument(
         "--batch-buckets",
@@ -182,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
+        graph_manifest=args.graph_manifest,
     )
     return ServerConfig(
         host=args.host,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from torch import Tensor
 
 from graphguard.engine.engine import RequestOutput
 from graphguard.engine.sampling import SamplingParams
@@ -23,6 +24,7 @@ from graphguard.engine.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import AsyncEngine, EngineClosedError, RequestStream
 from graphguard.server.errors import APIError, error_body
+from graphguard.server.images import chat_prompt
 from graphguard.server.metrics import RequestTrace, ServerMetrics
 
 logger = logging.getLogger("graphguard.server")
@@ -124,15 +126,11 @@ async def create_chat_completion(
     """POST /v1/chat/completions."""
     trace = RequestTrace()
     ctx.check_model(body.model)
-    messages = [m.as_template_dict() for m in body.messages]
-    try:
-        prompt_ids = await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
-    except Exception as exc:  # the template rejects some conversations (e.g. role order)
-        raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
+    prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
     max_tokens = body.requested_max_tokens
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
     fmt = ChatFormat(ctx.model_name)
-    return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
+    return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace, images)
 
 
 async def _encode_prompt(ctx: ServingContext, prompt: str | list[str] | list[int]) -> list[int]:
@@ -191,9 +189,10 @@ async def _generate(
     prompt_ids: list[int],
     params: SamplingParams,
     trace: RequestTrace,
+    images: list[Tensor] | None = None,
 ) -> Response:
     try:
-        stream = await ctx.engine.generate(fmt.request_id, prompt_ids, params)
+        stream = await ctx.engine.generate(fmt.request_id, prompt_ids, params, images)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_request") from exc
     except EngineClosedError as exc:

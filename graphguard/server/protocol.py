@@ -8,7 +8,7 @@ Unknown fields are ignored, as OpenAI clients send optional extras freely.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -89,15 +89,38 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str  # only base64 data URLs are accepted (graphguard.engine.images)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as the chat template expects it: plain-text content."""
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
+
+    def as_template_dict(self, image_text: str = "") -> dict[str, str]:
+        """The message as the chat template expects it: plain-text content, each image part
+        written as `image_text` (the image placeholder token)."""
         content = self.content or ""
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(
+                part.text if isinstance(part, TextPart) else image_text for part in content
+            )
         # Chat templates of this model family know "system", not the newer "developer".
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content}

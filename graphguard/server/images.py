@@ -1,0 +1,64 @@
+"""Chat prompts with `image_url` parts: decode the images, mark them in the prompt.
+
+Each image part becomes the vision encoder's placeholder token in the rendered chat text; after
+tokenization every placeholder is widened to one run of `num_tokens_per_image` tokens, whose
+input embeddings the engine replaces with the image's. Only base64 data URLs are accepted;
+anything else, or data that is not an image or is too large, is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from graphguard.engine.images import ImageError, expand_image_tokens, load_image
+from graphguard.server import protocol as p
+from graphguard.server.errors import APIError
+
+if TYPE_CHECKING:
+    from graphguard.engine.vision import VisionEncoder
+    from graphguard.server.handlers import ServingContext
+
+
+async def chat_prompt(
+    ctx: ServingContext, body: p.ChatCompletionRequest
+) -> tuple[list[int], list[Tensor]]:
+    """Prompt token ids of the conversation and the pixel tensors of its images, in order."""
+    urls = [url for message in body.messages for url in message.image_urls]
+    vision: VisionEncoder | None = getattr(ctx.engine.engine, "vision", None)
+    if urls and vision is None:
+        raise APIError(
+            400, "This model does not accept images.", param="messages", code="invalid_image"
+        )
+    image_text = vision.config.image_token if vision is not None else ""
+    pixels = await asyncio.to_thread(_load_images, urls, vision) if urls else []
+    messages = [m.as_template_dict(image_text) for m in body.messages]
+    try:
+        prompt_ids = await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
+    except Exception as exc:  # the template rejects some conversations (e.g. role order)
+        raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
+    if vision is not None and urls:
+        try:
+            prompt_ids = expand_image_tokens(
+                prompt_ids, vision.image_token_id, vision.num_tokens_per_image, len(urls)
+            )
+        except ImageError as exc:
+            raise _image_error(exc) from exc
+    return prompt_ids, pixels
+
+
+def _load_images(urls: list[str], vision: Any) -> list[Tensor]:
+    config = vision.config
+    if len(urls) > config.limits.max_images:
+        message = f"At most {config.limits.max_images} images per request are accepted."
+        raise APIError(400, message, param="messages", code="too_many_images")
+    try:
+        return [load_image(url, config.image_size, config.limits) for url in urls]
+    except ImageError as exc:
+        raise _image_error(exc) from exc
+
+
+def _image_error(exc: ImageError) -> APIError:
+    return APIError(400, str(exc), param="messages", code=exc.code)

@@ -1,0 +1,216 @@
+"""SegmentedRunner on SimBackend: segments, groups as a unit, budget, failures, kill switch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import SIM_SEGMENT_BYTES, SimBackend
+from graphguard.core.reasons import FallbackReason
+from graphguard.segmented import Segment, SegmentedRunner, Stage, split_segments
+
+EAGER_FIRST = AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
+W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+
+
+@dataclass(frozen=True)
+class Ctx:
+    scale: float = 1.0
+
+
+def hole(ctx: Ctx, x: torch.Tensor) -> tuple[torch.Tensor]:
+    # Host syncs and host-side context: this could never be captured.
+    return (x * float(x.abs().max()) * ctx.scale,)
+
+
+STAGES = [
+    Stage("proj", lambda x: (torch.tanh(x @ W),)),
+    Stage("act", lambda x: (torch.relu(x * 1.5),)),
+    Stage("hole0", hole, eager=True),
+    Stage("mix", lambda x: (x @ W.T,)),
+    Stage("hole1", hole, eager=True),
+    Stage("out", lambda x: (x.sin(), x.cos().sum(-1))),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_kill_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GRAPHGUARD_DISABLE", raising=False)
+
+
+@pytest.fixture
+def made():
+    runners: list[SegmentedRunner] = []
+    yield runners
+    for runner in runners:
+        runner.close()
+
+
+@pytest.fixture
+def make(made):
+    def build(stages=STAGES, **kwargs) -> SegmentedRunner:
+        kwargs.setdefault("backend", SimBackend())
+        kwargs.setdefault("admission", EAGER_FIRST)
+        runner = SegmentedRunner(stages, **kwargs)
+        made.append(runner)
+        return runner
+
+    return build
+
+
+def x_of(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_bitwise(a: tuple, b: tuple) -> None:
+    assert len(a) == len(b)
+    for got, want in zip(a, b, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_consecutive_capturable_stages_form_one_segment():
+    pieces = split_segments(STAGES)
+    kinds = [p.name if isinstance(p, Segment) else f"eager:{p.name}" for p in pieces]
+    assert kinds == ["proj+act", "eager:hole0", "mix", "eager:hole1", "out"]
+
+
+def test_a_pipeline_without_capturable_stages_is_refused():
+    with pytest.raises(ValueError, match="capturable"):
+        split_segments([Stage("hole", hole, eager=True)])
+
+
+def test_replays_match_the_eager_pipeline_bitwise_on_new_inputs(make):
+    runner = make()
+    for seed in range(4):
+        x = x_of(5, seed)
+        assert_bitwise(runner((x,), Ctx()), runner.eager((x,), Ctx()))
+    stats = runner.stats()
+    assert stats["captures"] == 1 and stats["replays"] == 4 and stats["fallbacks"] == {}
+
+
+def test_eager_stages_see_each_calls_context_between_replays(make):
+    runner = make()
+    runner((x_of(5),), Ctx(1.0))
+    got = runner((x_of(5, 1),), Ctx(3.0))
+    assert runner.stats()["replays"] == 2
+    assert_bitwise(got, runner.eager((x_of(5, 1),), Ctx(3.0)))
+
+
+def test_one_key_owns_one_group_with_its_own_pool_and_stream(make):
+    runner = make()
+    runner((x_of(5),), Ctx())
+    runner((x_of(6),), Ctx())
+    groups = runner.groups()
+    assert [len(g.entries) for g in groups] == [3, 3]
+    for group in groups:
+        assert {id(e.pool) for e in group.entries} == {id(group.pool)}
+        assert {e.stream for e in group.entries} == {group.stream}
+    assert groups[0].pool != groups[1].pool and groups[0].stream != groups[1].stream
+
+
+def test_a_group_is_charged_the_sum_of_its_segments(make):
+    runner = make()
+    runner((x_of(5),), Ctx())
+    (group,) = runner.groups()
+    assert group.resident_bytes == sum(e.resident_bytes for e in group.entries)
+    assert runner.stats()["resident_bytes"] == group.resident_bytes >= 3 * SIM_SEGMENT_BYTES
+
+
+def test_eviction_retires_all_three_segments_their_pool_and_stream(make):
+    backend = SimBackend()
+    probe = make(backend=SimBackend())
+    probe((x_of(5),), Ctx())
+    one_group = probe.stats()["resident_bytes"]
+    runner = make(backend=backend, max_bytes=one_group + SIM_SEGMENT_BYTES)
+    runner((x_of(5),), Ctx())
+    (first,) = runner.groups()
+    pool, stream, entries = first.pool, first.stream, list(first.entries)
+    runner((x_of(6),), Ctx())
+    assert runner.stats()["evictions"] == 1 and first.is_retired
+    assert all(e.is_retired and e.graph is None and e.static_args == [] for e in entries)
+    assert backend.pool_reserved_bytes(pool) == 0 and stream in backend.released_streams
+    assert first.pool_group.members == set()
+
+
+def test_a_1mib_budget_serves_every_call_eagerly_and_correctly(make):
+    runner = make(max_bytes=1 << 20)
+    for seed in range(3):
+        x = x_of(5, seed)
+        assert_bitwise(runner((x,), Ctx()), runner.eager((x,), Ctx()))
+    stats = runner.stats()
+    assert stats["groups"] == 0 and stats["resident_bytes"] == 0
+    assert stats["fallbacks"] == {"over_budget": 3}
+    assert runner.backend.num_captures == 1  # the size hint stops later attempts
+
+
+def test_capture_failure_in_a_later_segment_retires_the_partial_group(make):
+    def sync(x):
+        return (x.nonzero().float().sum() + x,)  # a host sync inside a capturable stage
+
+    stages = [*STAGES[:4], Stage("bad", sync)]
+    backend = SimBackend()
+    runner = make(stages, backend=backend)
+    x = x_of(5)
+    assert_bitwise(runner((x,), Ctx()), runner.eager((x,), Ctx()))
+    stats = runner.stats()
+    assert stats["fallbacks"] == {"capture_failed": 1} and stats["quarantined_keys"] == 1
+    assert stats["groups"] == 0 and sum(backend._pool_bytes.values()) == 0
+
+
+def test_parity_mismatch_rejects_the_group_and_quarantines_the_key(make):
+    calls = [0]
+
+    def drifting(x):
+        calls[0] += 1  # host state baked into the graph: the eager reference disagrees
+        return (x + calls[0],)
+
+    runner = make([STAGES[0], STAGES[2], Stage("drift", drifting)])
+    x = x_of(5)
+    out = runner((x,), Ctx())
+    stats = runner.stats()
+    assert stats["fallbacks"] == {"parity_mismatch": 1} and stats["parity_mismatches"] == 1
+    assert stats["groups"] == 0 and stats["quarantined_keys"] == 1
+    assert out[0].shape == x.shape
+    assert runner((x,), Ctx()) is not None
+    assert runner.stats()["fallbacks"]["quarantined"] == 1
+
+
+def test_kill_switch_runs_every_call_eagerly(make, monkeypatch):
+    runner = make()
+    runner((x_of(5),), Ctx())
+    monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
+    x = x_of(5, 2)
+    assert_bitwise(runner((x,), Ctx()), runner.eager((x,), Ctx()))
+    assert runner.stats()["fallbacks"] == {"kill_switch": 1}
+
+
+def test_a_key_is_captured_only_after_it_earned_it(make):
+    runner = make(admission=AdmissionConfig(min_hits=2))
+    runner((x_of(5),), Ctx())
+    assert runner.stats()["fallbacks"] == {"admission_deferred": 1}
+    runner((x_of(5),), Ctx())
+    assert runner.stats()["groups"] == 1
+
+
+def test_close_retires_every_group_and_later_calls_run_eagerly(make):
+    runner = make()
+    runner((x_of(5),), Ctx())
+    (group,) = runner.groups()
+    runner.close()
+    assert group.is_retired and runner.stats()["groups"] == 0
+    runner((x_of(5),), Ctx())
+    assert runner.stats()["fallbacks"] == {"closed": 1}
+
+
+def test_an_eager_stage_that_changes_shape_finishes_the_call_eagerly(make):
+    def grow(copies, x):
+        return (torch.cat([x] * copies),)
+
+    runner = make([STAGES[0], Stage("grow", grow, eager=True), STAGES[3]])
+    runner((x_of(5),), 1)
+    x = x_of(5, 1)
+    assert_bitwise(runner((x,), 2), runner.eager((x,), 2))
+    assert runner.stats()["fallbacks"] == {FallbackReason.UNBUCKETED_SHAPE.value: 1}
