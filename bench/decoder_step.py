@@ -31,10 +31,30 @@ SHAPES = {
 }
 
 
+_ALL_SDPA = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
 class DecoderStep:
     """step(ids[B], pos[B]) -> logits[B, vocab]; row i reads and writes KV cache row i."""
 
-    def __init__(self, shape: StepShape, *, max_batch: int, context: int, dtype, device, seed=0):
+    def __init__(
+        self,
+        shape: StepShape,
+        *,
+        max_batch: int,
+        context: int,
+        dtype,
+        device,
+        seed=0,
+        attention: str = "math",
+    ):
+        # "math" pins SDPA's math backend; "default" lets PyTorch choose (cuDNN on an H200).
+        self.sdpa_backends = [SDPBackend.MATH] if attention == "math" else _ALL_SDPA
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.shape, self.context = shape, context
 
@@ -99,7 +119,7 @@ class DecoderStep:
             # NOTE: the math backend on purpose: on an H200 (torch 2.11) the cuDNN attention
             # backend chosen by default here gave graph replays that differ from eager in one
             # or two rows once the KV cache had churned (caught by exact parity admission).
-            with sdpa_kernel([SDPBackend.MATH]):
+            with sdpa_kernel(self.sdpa_backends):
                 attn = F.scaled_dot_product_attention(
                     q[:, :, None, :],
                     keys.transpose(1, 2),

@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
-from graphguard.core.backends import Backend, CudaBackend, SimBackend
+from graphguard.core.backends import Backend, CudaBackend
 from graphguard.core.cache import GraphCache
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
-from graphguard.core.verify import VerifyConfig
+from graphguard.core.sim import SimBackend
+from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
 
 log = logging.getLogger("graphguard")
 
@@ -138,6 +139,13 @@ class RunnerBase:
         if victims and not self.policy.worth_evicting(key, [v.key for v in victims]):
             return FallbackReason.ADMISSION_DEFERRED
         return None
+
+    def _parity_error(self, key: GraphKey, graph_out: Any, eager_out: Any) -> ParityError | None:
+        """The error to reject a candidate with when its output differs from eager's."""
+        if outputs_match(graph_out, eager_out, self.verify):
+            return None
+        detail = describe_mismatch(graph_out, eager_out)
+        return ParityError(f"graph output differs from eager for {key.describe()}: {detail}")
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _count_call(self, key: GraphKey) -> None:

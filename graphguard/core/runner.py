@@ -31,7 +31,7 @@ from graphguard.core.inputs import CallPlan, copy_inputs, make_static_args, plan
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
-from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
+from graphguard.core.verify import VerifyConfig, outputs_match
 
 log = logging.getLogger("graphguard")
 
@@ -184,12 +184,8 @@ class GraphRunner(RunnerBase):
             return None, self._reject(entry, "failed", FallbackReason.CAPTURE_FAILED, exc)
         outputs = entry.replay()
         if self.verify.enabled:
-            eager = self.fn(*entry.static_args)
-            if not outputs_match(outputs, eager, self.verify):
-                detail = describe_mismatch(outputs, eager)
-                error = ParityError(
-                    f"graph output differs from eager for {key.describe()}: {detail}"
-                )
+            error = self._parity_error(key, outputs, self.fn(*entry.static_args))
+            if error is not None:
                 mismatch = FallbackReason.PARITY_MISMATCH
                 return None, self._reject(entry, "parity_mismatch", mismatch, error)
             entry.verified = self.verify.mode

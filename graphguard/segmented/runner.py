@@ -21,12 +21,12 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
-from graphguard.core.base import ParityError, RunnerBase
+from graphguard.core.base import RunnerBase
 from graphguard.core.entry import GraphEntry
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
-from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
+from graphguard.core.verify import VerifyConfig
 from graphguard.segmented.group import (
     GroupInfo,
     GroupOverBudget,
@@ -182,11 +182,8 @@ class SegmentedRunner(RunnerBase):
         eager = None
         if self.verify.enabled:
             eager = run_eager(self.pieces, carry, context)
-            if not outputs_match(out, eager, self.verify):
-                detail = describe_mismatch(out, eager)
-                error = ParityError(
-                    f"segmented graphs differ from eager for {key.describe()}: {detail}"
-                )
+            error = self._parity_error(key, out, eager)
+            if error is not None:
                 mismatch = FallbackReason.PARITY_MISMATCH
                 return eager, self._reject(group, "parity_mismatch", mismatch, error)
         return self._admit(group, out, eager, self.clock() - started)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from graphguard.core.admission import AdmissionConfig
-from graphguard.core.backends import SIM_SEGMENT_BYTES, SimBackend
 from graphguard.core.reasons import FallbackReason
+from graphguard.core.sim import SIM_SEGMENT_BYTES, SimBackend
 from graphguard.segmented import Segment, SegmentedRunner, Stage, split_segments
 
 EAGER_FIRST = AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from graphguard.core.admission import AdmissionConfig
-from graphguard.core.backends import SimBackend
+from graphguard.core.sim import SimBackend
 from graphguard.engine.attention import AttentionMetadata
-from graphguard.engine.config import ModelConfig
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import build_model
 from graphguard.engine.prefill_graphs import (
@@ -19,28 +18,9 @@ from graphguard.engine.prefill_graphs import (
     prefill_stages,
 )
 from graphguard.segmented import SegmentedRunner, run_eager, split_segments
+from tests.tiny import tiny_config
 
 BLOCK = 4
-
-
-def tiny_config(arch: str = "llama", num_layers: int = 2) -> ModelConfig:
-    return ModelConfig(
-        arch=arch,
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        tie_word_embeddings=arch == "llama",
-        qk_norm=arch == "qwen3",
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    )
 
 
 @pytest.fixture(autouse=True)

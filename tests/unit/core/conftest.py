@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import graphguard as gg
-import graphguard.core.backends
+from graphguard.core.sim import SIM_SEGMENT_BYTES
 
 MiB = 1 << 20
-SEG = gg.core.backends.SIM_SEGMENT_BYTES
+SEG = SIM_SEGMENT_BYTES
 
 
 class FakeClock:

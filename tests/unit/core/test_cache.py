@@ -1,9 +1,9 @@
 import torch
 
-from graphguard.core.backends import SimBackend
 from graphguard.core.cache import GraphCache
 from graphguard.core.entry import GraphEntry
 from graphguard.core.keys import GraphKey
+from graphguard.core.sim import SimBackend
 
 SEG = 1024
 

@@ -4,7 +4,6 @@ import weakref
 import pytest
 import torch
 
-from graphguard.core.backends import SimBackend
 from graphguard.core.entry import (
     EntryState,
     GraphEntry,
@@ -13,6 +12,7 @@ from graphguard.core.entry import (
     RetiredEntryError,
 )
 from graphguard.core.keys import GraphKey
+from graphguard.core.sim import SimBackend
 
 
 class Owner:

@@ -354,26 +354,12 @@ def test_inspect_lists_the_most_launched_kernels_of_a_graph(manifest_path):
 # -- the engine and `graphguard serve --graph-manifest` ------------------------------------
 def tiny_loaded(name: str = "tiny", num_layers: int = 2):
     from bench.decode import NumberTokenizer
-    from graphguard.engine.config import ModelConfig
     from graphguard.engine.loader import LoadedModel
     from graphguard.engine.models import build_model
+    from tests.tiny import tiny_config
 
-    config = ModelConfig(
-        arch="llama",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rope_theta=1e4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        qk_norm=False,
-        bos_token_id=1,
-        eos_token_ids=(2,),
+    config = tiny_config(
+        vocab_size=96, num_layers=num_layers, rms_norm_eps=1e-5, max_position_embeddings=64
     )
     model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
     return LoadedModel(name, model, config, NumberTokenizer(config))  # type: ignore[arg-type]

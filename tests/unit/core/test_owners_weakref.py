@@ -13,11 +13,12 @@ import weakref
 import pytest
 
 import graphguard as gg
-from graphguard.core.backends import CaptureError, SimBackend
+from graphguard.core.backends import CaptureError
 from graphguard.core.entry import GraphEntry
 from graphguard.core.export import export_manifest
 from graphguard.core.inventory import read_inventory
 from graphguard.core.keys import GraphKey
+from graphguard.core.sim import SimBackend
 from tests.unit.core.conftest import SEG, inputs, mlp_step
 
 

@@ -11,11 +11,12 @@ import threading
 import pytest
 import torch
 
-from graphguard.engine.config import EngineConfig, ModelConfig
+from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
 from graphguard.engine.sampling import SamplingParams
+from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import (
     GREEDY,
     SMALL_ENGINE,
@@ -23,23 +24,7 @@ from tests.unit.engine.fixtures_engine import (
     run_to_completion,
 )
 
-TINY = ModelConfig(
-    arch="llama",
-    vocab_size=49152,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    qk_norm=False,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
+TINY = tiny_config(vocab_size=49152, rms_norm_eps=1e-5, max_position_embeddings=512)
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.engine.config import ModelConfig
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
+from tests.tiny import tiny_config
 
 PROMPTS = [
     "The capital of France is",
@@ -59,20 +59,10 @@ def test_chat_answer_names_paris(embedded_model: LoadedModel, paged_driver) -> N
     assert tokenizer.decode(output[:end]) == "The capital of France is Paris."
 
 
-TINY_LLAMA = ModelConfig(
-    arch="llama",
+TINY_LLAMA = tiny_config(
     vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
     max_position_embeddings=128,
     tie_word_embeddings=False,
-    qk_norm=False,
     bos_token_id=None,
     eos_token_ids=(1,),
 )
