@@ -100,7 +100,7 @@ def _row(index: int, graph: dict[str, Any]) -> list[str]:
 
 def table(rows: list[list[str]], graphs: list[dict[str, Any]]) -> list[str]:
     """Right-aligned columns, with each graph's key after them (keys are long)."""
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(COLUMNS)]
 
     def line(cells: list[str] | tuple[str, ...], key: str) -> str:
         return "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) + "  " + key

@@ -29,6 +29,8 @@ from graphguard.core.reasons import FallbackReason
 from graphguard.core.sketch import FrequencySketch
 
 Clock = Callable[[], float]
+# Per-key memory (size hints) is capped; the frequency sketch is fixed-size already.
+MAX_TRACKED_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ class AdmissionConfig:
             raise ValueError(f"mode must be 'lazy' or 'prewarmed', got {self.mode!r}")
         if self.backoff_initial_s <= 0 or self.backoff_max_s < self.backoff_initial_s:
             raise ValueError("backoff_initial_s must be > 0 and <= backoff_max_s")
+        if self.capture_window_s <= 0 or self.thrash_window_s <= 0:
+            raise ValueError("capture_window_s and thrash_window_s must be > 0")
+        if self.max_recaptures < 1:
+            raise ValueError(f"max_recaptures must be >= 1, got {self.max_recaptures}")
 
 
 @dataclass
@@ -83,9 +89,8 @@ class AdmissionPolicy:
     def __post_init__(self) -> None:
         self.sketch = FrequencySketch()
         self.counters = AdmissionCounters()
-        self.size_hints: dict[GraphKey, int] = {}
+        self.size_hints: dict[GraphKey, int] = {}  # bytes of a key's last capture
         self.prewarmed: set[GraphKey] = set()
-        self._hits: dict[GraphKey, int] = {}
         self._captures: deque[tuple[float, float]] = deque()  # (end time, seconds)
         self._evicted_at: dict[GraphKey, deque[float]] = {}
         self._quarantine: dict[GraphKey, _Backoff] = {}
@@ -93,15 +98,16 @@ class AdmissionPolicy:
 
     # -- observations ----------------------------------------------------------------------
     def record_call(self, key: GraphKey) -> None:
-        self.sketch.add(key)
-        if key not in self.prewarmed:
-            self._hits[key] = min(self._hits.get(key, 0) + 1, self.config.min_hits)
+        self.sketch.add(key)  # the sightings min_hits counts, in fixed memory
 
     def record_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
         now = self.clock()
         self._captures.append((now, seconds))
         self.counters.capture_seconds += seconds
+        self.size_hints.pop(key, None)  # re-inserted last: the oldest hints go first
         self.size_hints[key] = resident_bytes
+        while len(self.size_hints) > MAX_TRACKED_KEYS:
+            del self.size_hints[next(iter(self.size_hints))]
         self._note_recapture(key, now)
 
     def record_eviction(self, key: GraphKey) -> None:
@@ -114,15 +120,19 @@ class AdmissionPolicy:
 
     # -- decisions -------------------------------------------------------------------------
     def blocked(self, key: GraphKey) -> FallbackReason | None:
-        """Reasons a key may not capture now, whatever the cache holds."""
-        now = self.clock()
-        if self._active(self._quarantine, key, now):
-            return FallbackReason.QUARANTINED
-        if self._active(self._thrash, key, now):
-            return FallbackReason.THRASHING
-        if self.config.mode == "prewarmed":
+        """Reasons a key may not capture now, whatever the cache holds.
+
+        A prewarmed key has earned its capture: after an eviction or an invalidation (new
+        weights) it is captured again as soon as it is called.
+        """
+        reason = self.blocked_for_warmup(key)
+        if reason is not None:
+            return reason
+        is_prewarmed = key in self.prewarmed
+        if self.config.mode == "prewarmed" and not is_prewarmed:
             return FallbackReason.NOT_PREWARMED
-        if self._hits.get(key, 0) < self.config.min_hits or self._over_capture_budget(now):
+        earned = is_prewarmed or self.sketch.estimate(key) >= self.config.min_hits
+        if not earned or self._over_capture_budget(self.clock()):
             self.counters.deferred += 1
             return FallbackReason.ADMISSION_DEFERRED
         return None
@@ -146,12 +156,17 @@ class AdmissionPolicy:
         self.counters.deferred += 1
         return False
 
-    def is_quarantined(self, key: GraphKey) -> bool:
-        return self._active(self._quarantine, key, self.clock())
-
     def num_quarantined(self) -> int:
         now = self.clock()
+        self._forget_old_backoffs(now)
         return sum(1 for b in self._quarantine.values() if b.until > now)
+
+    def _forget_old_backoffs(self, now: float) -> None:
+        # A backoff that ended longer ago than the longest delay no longer shapes the next one.
+        horizon = now - self.config.backoff_max_s
+        for table in (self._quarantine, self._thrash):
+            for key in [k for k, b in table.items() if b.until < horizon]:
+                del table[key]
 
     # -- internals -------------------------------------------------------------------------
     def _over_capture_budget(self, now: float) -> bool:
@@ -167,7 +182,9 @@ class AdmissionPolicy:
             return
         while evictions and evictions[0] < now - self.config.thrash_window_s:
             evictions.popleft()
-        if len(evictions) >= self.config.max_recaptures:
+        if not evictions:
+            del self._evicted_at[key]
+        elif len(evictions) >= self.config.max_recaptures:
             evictions.clear()
             self.counters.thrash_backoffs += 1
             self._back_off(self._thrash, key)

@@ -74,8 +74,9 @@ class CudaBackend:
         return _owned_stream(self.device) or torch.cuda.Stream(device=self.device)
 
     def release_stream(self, stream: Any) -> None:
-        # NOTE: called after the entry waited on its last replay and reset its graph.
-        if getattr(stream, "owned_handle", None) is not None:
+        # NOTE: called after the entry waited on its last replay and reset its graph; a stream
+        # released twice must not be handed to two entries.
+        if getattr(stream, "owned_handle", None) is not None and stream not in self._free_streams:
             self._free_streams.append(stream)
 
     def new_pool(self) -> Any:
@@ -90,9 +91,12 @@ class CudaBackend:
         caller = torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for _ in range(self.num_warmup):  # warm-up on the entry's own stream
-                fn(*args)
-            stream.synchronize()
+            try:
+                for _ in range(self.num_warmup):  # warm-up on the entry's own stream
+                    fn(*args)
+                stream.synchronize()
+            except Exception as exc:
+                raise CaptureError(f"warm-up failed: {type(exc).__name__}: {exc}") from exc
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
             # __enter__ synchronizes the whole device and empties the allocator cache.
@@ -101,9 +105,15 @@ class CudaBackend:
                 outputs = fn(*args)
             except BaseException as exc:
                 self._end_failed_capture(graph, pool, stream)
+                if not isinstance(exc, Exception):
+                    raise  # KeyboardInterrupt and friends stay what they are, after cleanup
                 raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
             try:
                 graph.capture_end()
+            except RuntimeError as exc:
+                self._repair_after_failed_end(graph, pool, stream)
+                raise CaptureError(str(exc)) from exc
+            try:
                 graph.instantiate()
             except RuntimeError as exc:
                 graph.reset()
@@ -112,19 +122,26 @@ class CudaBackend:
         return graph, outputs
 
     def _end_failed_capture(self, graph: Any, pool: Any, stream: Any) -> None:
-        """Leave no stream capturing, no allocator routed to the dead pool, and the RNG usable.
-
-        When the capture was invalidated, CUDAGraph.capture_end raises before it stops routing
-        the stream's allocations into the pool and before the default generator leaves capture
-        mode; both are undone here.
-        """
-        index = self.device.index
+        """End a capture whose function raised: no stream is left capturing."""
         try:
             graph.capture_end()
         except RuntimeError:
-            torch._C._cuda_endAllocateToPool(index, pool)
-            torch._C._cuda_releasePool(index, pool)
-            self._reset_generator(stream)
+            self._repair_after_failed_end(graph, pool, stream)
+            return
+        graph.reset()
+
+    def _repair_after_failed_end(self, graph: Any, pool: Any, stream: Any) -> None:
+        """Undo what a raising CUDAGraph.capture_end left behind.
+
+        It raises (the capture was invalidated) before it stops routing the stream's
+        allocations into the pool and before the default generator leaves capture mode; the
+        allocator is pointed back here, and a small capture that completes runs the
+        generator's epilogue.
+        """
+        index = self.device.index
+        torch._C._cuda_endAllocateToPool(index, pool)
+        torch._C._cuda_releasePool(index, pool)
+        self._reset_generator(stream)
         graph.reset()
 
     def _reset_generator(self, stream: Any) -> None:

@@ -110,7 +110,10 @@ class RunnerBase:
         self._lock = threading.RLock()
         self._closed = False
         self._stats = RunnerStats()
-        self._gauge_last = (0, 0, 0)  # resident bytes, graphs, host bytes last reported
+        # NOTE: fallbacks are counted outside the runner's lock (eager work runs unlocked), so
+        # the counters have a small lock of their own.
+        self._stats_lock = threading.Lock()
+        self._gauge_last = (0, 0, 0, 0)  # resident bytes, graphs, host bytes, quarantined keys
         self.metrics.budget_bytes.inc(max_bytes)
 
     # -- deciding --------------------------------------------------------------------------
@@ -148,18 +151,22 @@ class RunnerBase:
         return ParityError(f"graph output differs from eager for {key.describe()}: {detail}")
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _count_call(self, key: GraphKey) -> None:
-        self._stats.calls += 1
-        self.policy.record_call(key)
+    def _count_call(self) -> None:
+        """Every call, whatever serves it: calls == replays + fallbacks."""
+        self.metrics.calls.inc()
+        with self._stats_lock:
+            self._stats.calls += 1
 
     def _count_fallback(self, reason: FallbackReason) -> None:
         self.metrics.fallbacks.labels(reason.value).inc()
-        fallbacks = self._stats.fallbacks
-        fallbacks[reason.value] = fallbacks.get(reason.value, 0) + 1
+        with self._stats_lock:
+            fallbacks = self._stats.fallbacks
+            fallbacks[reason.value] = fallbacks.get(reason.value, 0) + 1
 
     def _count_replay(self) -> None:
-        self._stats.replays += 1
         self.metrics.replays.inc()
+        with self._stats_lock:
+            self._stats.replays += 1
 
     def _count_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
         """A verified capture about to be admitted: admission history and capture metrics."""
@@ -168,9 +175,13 @@ class RunnerBase:
         self.metrics.thrash_backoffs.inc(self.policy.counters.thrash_backoffs - backoffs)
         self.metrics.capture_seconds.observe(seconds)
 
-    def _count_admitted(self) -> None:
-        self._stats.captures += 1
-        self._count_replay()  # the verified first replay serves this call
+    def _count_admitted(self, served: bool = True) -> None:
+        """An admitted capture; `served` when its verified first replay answered a call
+        (warm-up and prewarm captures answer none)."""
+        with self._stats_lock:
+            self._stats.captures += 1
+        if served:
+            self._count_replay()
         self.metrics.captures.labels("admitted").inc()
         self._sync_gauges()
 
@@ -189,8 +200,11 @@ class RunnerBase:
                 self.name,
             )  # fmt: skip
             return reason
-        self._stats.capture_failures += outcome == "failed"
-        self._stats.parity_mismatches += outcome == "parity_mismatch"
+        with self._stats_lock:
+            if outcome == "failed":
+                self._stats.capture_failures += 1
+            else:
+                self._stats.parity_mismatches += 1
         self._quarantine(candidate.key, f"{outcome}: {error}")
         if self.strict and error is not None:
             raise error
@@ -198,13 +212,14 @@ class RunnerBase:
 
     def _quarantine(self, key: GraphKey, why: str) -> None:
         delay = self.policy.quarantine(key)
-        self.metrics.quarantined.set(self.policy.num_quarantined())
+        self._sync_gauges()
         log.warning(
             "graphguard quarantine key=%s backoff_s=%.1f why=%s", key.describe(), delay, why
         )
 
     def _on_evict(self, entry: Any, cause: str) -> None:
-        self._stats.evictions += 1
+        with self._stats_lock:
+            self._stats.evictions += 1
         self.metrics.evictions.labels(cause).inc()
         if cause == "budget":
             self.policy.record_eviction(entry.key)
@@ -240,14 +255,22 @@ class RunnerBase:
 
     def _sync_gauges(self) -> None:
         # NOTE: gauges may be shared by several runners, so they move by this runner's delta.
-        now = (self._cache.resident_bytes, self._num_graphs(), self._host_bytes())
+        now = (
+            self._cache.resident_bytes,
+            self._num_graphs(),
+            self._host_bytes(),
+            self.policy.num_quarantined(),
+        )
         last, self._gauge_last = self._gauge_last, now
         self.metrics.resident_bytes.inc(now[0] - last[0])
         self.metrics.entries.inc(now[1] - last[1])
         self.metrics.host_bytes.inc(now[2] - last[2])
+        self.metrics.quarantined.inc(now[3] - last[3])
 
     def _base_stats(self) -> dict[str, Any]:
-        stats = asdict(self._stats)
+        self._sync_gauges()  # quarantines expire with time, not with an event
+        with self._stats_lock:
+            stats = asdict(self._stats)
         stats.update(
             name=self.name,
             backend=self.backend.name if self.backend is not None else None,

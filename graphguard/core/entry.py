@@ -29,7 +29,7 @@ _OPAQUE = (type, str, bytes, int, float, types.ModuleType)
 _MAX_CYCLE_SCAN = 200_000
 
 
-class EntryState(str, enum.Enum):
+class EntryState(enum.StrEnum):
     NEW = "new"
     CAPTURED = "captured"
     ADMITTED = "admitted"
@@ -55,7 +55,26 @@ class PoolGroup:
     name: str
     pool: Any = None
     stream: Any = None
-    members: set[int] = field(default_factory=set)
+    num_members: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def join(self, backend: Backend) -> tuple[Any, Any]:
+        """Add a member; the first one creates the shared pool and stream."""
+        with self.lock:
+            if self.pool is None:
+                self.pool, self.stream = backend.new_pool(), backend.new_stream()
+            self.num_members += 1
+            return self.stream, self.pool
+
+    def leave(self, backend: Backend) -> None:
+        """Remove a member; the last one releases the pool and the stream (exactly once)."""
+        with self.lock:
+            self.num_members -= 1
+            if self.num_members > 0:
+                return
+            pool, stream, self.pool, self.stream = self.pool, self.stream, None, None
+        release_pool(backend, pool)
+        backend.release_stream(stream)
 
 
 @dataclass
@@ -86,10 +105,7 @@ class GraphEntry:
         if group is None:
             self.stream, self.pool = backend.new_stream(), backend.new_pool()
         else:
-            if group.pool is None:
-                group.pool, group.stream = backend.new_pool(), backend.new_stream()
-            self.stream, self.pool = group.stream, group.pool
-            group.members.add(id(self))
+            self.stream, self.pool = group.join(backend)
         self.event = backend.new_event()
         self.has_replayed = False
         self.graph: Any = None
@@ -185,11 +201,7 @@ class GraphEntry:
             release_pool(self.backend, self.pool)
             self.backend.release_stream(self.stream)
         else:
-            group.members.discard(id(self))
-            if not group.members:
-                release_pool(self.backend, group.pool)
-                self.backend.release_stream(group.stream)
-                group.pool = group.stream = None
+            group.leave(self.backend)
         self.pool = self.stream = None
 
     @property

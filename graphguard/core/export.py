@@ -177,7 +177,7 @@ def export_manifest(
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "environment": environment(runner.backend),
         "model": model,
         "runner": _runner_record(runner, graphs),

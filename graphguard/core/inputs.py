@@ -39,10 +39,12 @@ def plan_call(
         if padded is None:
             return FallbackReason.UNBUCKETED_SHAPE
     parts: list[Any] = []
-    for arg in args:
+    for position, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
             if arg.device != device and not (stage_host and arg.device.type == "cpu"):
                 return FallbackReason.DEVICE_MISMATCH
+            if buckets is not None and not buckets.has_pad_for(position):
+                return FallbackReason.UNSUPPORTED_INPUT  # no declared pad value for it
             parts.append(spec_of(arg, padded if arg.dim() > 0 else None))
         else:
             try:

@@ -92,6 +92,9 @@ class Buckets:
         index = bisect.bisect_left(sizes, rows)
         return sizes[index] if index < len(sizes) else None
 
+    def has_pad_for(self, position: int) -> bool:
+        return isinstance(self.pad_value, (int, float)) or position < len(self.pad_value)
+
     def pad_for(self, position: int) -> float | int:
         """The pad value of the positional argument at `position`."""
         if isinstance(self.pad_value, (int, float)):

@@ -124,6 +124,10 @@ def plan_examples(
         except ManifestError as exc:
             skipped[name] = f"unreadable_key: {exc}"
             continue
+        problem = _unbuildable(runner, key)
+        if problem is not None:
+            skipped[name] = problem  # checked before anything is allocated for it
+            continue
         args = tuple(_example_arg(runner, i, a) for i, a in enumerate(key.args))
         if device is not None:
             plan = plan_call(args, runner.buckets, device, runner.stage_host_inputs)
@@ -132,6 +136,15 @@ def plan_examples(
                 continue
         examples.append(args)
     return examples, skipped
+
+
+def _unbuildable(runner: GraphRunner, key: Any) -> str | None:
+    """Why a manifest key's example inputs must not be allocated, if they must not."""
+    if any(size < 0 for spec in key.tensor_specs for size in spec.shape):
+        return "unreadable_key: negative dimension"
+    if key.input_bytes > runner._cache.max_bytes:
+        return "over_budget: its inputs alone exceed the byte budget"
+    return None
 
 
 def _example_arg(runner: GraphRunner, position: int, arg: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 
 
-class FallbackReason(str, enum.Enum):
+class FallbackReason(enum.StrEnum):
     """Why a call ran eagerly. Exactly one per fallback call."""
 
     DISABLED = "disabled"  # the runner was built or switched off (enabled=False)

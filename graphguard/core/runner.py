@@ -26,12 +26,12 @@ from graphguard.core.base import (
     kill_switch_on,
     resolve_backend,
 )
-from graphguard.core.entry import EntryInfo, GraphEntry, PoolGroup
+from graphguard.core.entry import EntryInfo, GraphEntry
 from graphguard.core.inputs import CallPlan, copy_inputs, make_static_args, plan_call, slice_outputs
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
-from graphguard.core.verify import VerifyConfig, outputs_match
+from graphguard.core.verify import VerifyConfig
 
 log = logging.getLogger("graphguard")
 
@@ -70,7 +70,6 @@ class GraphRunner(RunnerBase):
         copy_outputs: return copies (True) or views of the static outputs, valid until the next
             call of this runner (False).
         stage_host_inputs: accept CPU tensors for a CUDA graph, copied through pinned buffers.
-        pool_group: share one memory pool and capture stream among all graphs of this runner.
         retain: objects each graph keeps alive while it can replay (weights, KV storage).
         metrics: a GraphMetrics to report into (shared across runners), or a private one.
         clock: time source of every admission decision (tests inject a fake one).
@@ -92,7 +91,6 @@ class GraphRunner(RunnerBase):
         strict: bool = False,
         copy_outputs: bool = True,
         stage_host_inputs: bool = False,
-        pool_group: bool = False,
         retain: Sequence[Any] = (),
         metrics: GraphMetrics | None = None,
         clock: Clock = time.monotonic,
@@ -116,11 +114,10 @@ class GraphRunner(RunnerBase):
         self.fn = fn
         self.buckets = buckets
         self.stage_host_inputs = stage_host_inputs
-        self._group = PoolGroup(name) if pool_group else None
 
     # -- the call --------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        self.metrics.calls.inc()
+        self._count_call()
         reason = self._gate()
         plan: CallPlan | FallbackReason | None = None
         if reason is None and self.backend is not None:
@@ -132,13 +129,14 @@ class GraphRunner(RunnerBase):
                     reason = FallbackReason.CLOSED
                 else:
                     out, reason = self._serve(args, plan)
-                    if reason is None:
-                        return out
+                    if reason is None or out is not None:
+                        # out with a reason: re-verification answered this call eagerly
+                        return out if reason is None else self._fallback(args, reason, out)
         assert reason is not None
         return self._fallback(args, reason)
 
     def _serve(self, args: Sequence[Any], plan: CallPlan) -> tuple[Any, FallbackReason | None]:
-        self._count_call(plan.key)
+        self.policy.record_call(plan.key)
         with self._cache.pinned(plan.key) as entry:
             if entry is not None:
                 return self._replay(entry, args, plan)
@@ -147,23 +145,25 @@ class GraphRunner(RunnerBase):
             return None, reason
         return self._capture(args, plan, allow_evict=True)
 
-    def _fallback(self, args: Sequence[Any], reason: FallbackReason) -> Any:
+    def _fallback(self, args: Sequence[Any], reason: FallbackReason, out: Any = None) -> Any:
         self._count_fallback(reason)
-        return self.fn(*args)
+        return out if out is not None else self.fn(*args)
 
     # -- replay ----------------------------------------------------------------------------
     def _replay(
         self, entry: GraphEntry, args: Sequence[Any], plan: CallPlan
     ) -> tuple[Any, FallbackReason | None]:
         outputs = entry.replay(lambda: copy_inputs(entry, args, plan, self.buckets))
-        self._count_replay()
         every = self.verify.reverify_every
         if every and self.verify.enabled and entry.replays % every == 0:
             eager = self.fn(*entry.static_args)
-            if not outputs_match(outputs, eager, self.verify):
+            error = self._parity_error(entry.key, outputs, eager)
+            if error is not None:
                 self._cache.evict(entry.key, "reverify")
-                self._quarantine(entry.key, "parity drift on re-verification")
-                return slice_outputs(eager, plan, copy=False), None
+                self._stats.parity_mismatches += 1
+                self._quarantine(entry.key, f"drift on re-verification: {error}")
+                return slice_outputs(eager, plan, copy=False), FallbackReason.PARITY_MISMATCH
+        self._count_replay()
         return slice_outputs(outputs, plan, self.copy_outputs), None
 
     # -- capture ---------------------------------------------------------------------------
@@ -175,25 +175,19 @@ class GraphRunner(RunnerBase):
         if hint is not None and allow_evict:
             self._cache.make_room(hint)
         started = self.clock()
-        entry = GraphEntry(key, self.backend, self._group)  # type: ignore[arg-type]
+        entry = GraphEntry(key, self.backend)  # type: ignore[arg-type]
         try:
-            for owner in self._owners:
-                entry.retain(owner)
-            entry.capture(self.fn, make_static_args(entry, args, plan, self.buckets))
-        except CaptureError as exc:
-            return None, self._reject(entry, "failed", FallbackReason.CAPTURE_FAILED, exc)
-        outputs = entry.replay()
-        if self.verify.enabled:
-            error = self._parity_error(key, outputs, self.fn(*entry.static_args))
-            if error is not None:
-                mismatch = FallbackReason.PARITY_MISMATCH
-                return None, self._reject(entry, "parity_mismatch", mismatch, error)
-            entry.verified = self.verify.mode
+            outputs, reason = self._capture_verified(entry, args, plan)
+        except BaseException:
+            entry.retire()  # whatever escapes, the candidate's stream and pool go back
+            raise
+        if reason is not None:
+            return None, reason
         self._count_capture(key, self.clock() - started, entry.resident_bytes)
         fits = self._cache.victims_for(entry.resident_bytes) == [] or allow_evict
         if not (fits and self._cache.admit(entry)):
             return None, self._reject(entry, "over_budget", FallbackReason.OVER_BUDGET, None)
-        self._count_admitted()
+        self._count_admitted(served=allow_evict)
         log.info(
             "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
             key.describe(),
@@ -202,6 +196,25 @@ class GraphRunner(RunnerBase):
             self.name,
         )
         return slice_outputs(outputs, plan, self.copy_outputs), None
+
+    def _capture_verified(
+        self, entry: GraphEntry, args: Sequence[Any], plan: CallPlan
+    ) -> tuple[Any, FallbackReason | None]:
+        """Capture, replay once and compare with eager; a failure rejects the entry."""
+        try:
+            for owner in self._owners:
+                entry.retain(owner)
+            entry.capture(self.fn, make_static_args(entry, args, plan, self.buckets))
+        except CaptureError as exc:
+            return None, self._reject(entry, "failed", FallbackReason.CAPTURE_FAILED, exc)
+        outputs = entry.replay()
+        if self.verify.enabled:
+            error = self._parity_error(entry.key, outputs, self.fn(*entry.static_args))
+            if error is not None:
+                mismatch = FallbackReason.PARITY_MISMATCH
+                return None, self._reject(entry, "parity_mismatch", mismatch, error)
+            entry.verified = self.verify.mode
+        return outputs, None
 
     # -- set-up paths ----------------------------------------------------------------------
     def warmup(self, examples: Iterable[Sequence[Any]], progress: bool = True) -> WarmupReport:

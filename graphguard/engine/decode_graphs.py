@@ -40,7 +40,7 @@ DECODE_PAD = (0, 0, PagedKVStorage.DUMMY_BLOCK, 1, PagedKVStorage.DUMMY_BLOCK)
 MIN_COMPUTE_CAPABILITY = (7, 0)
 
 
-class GraphCapability(str, enum.Enum):
+class GraphCapability(enum.StrEnum):
     """Whether decode graphs may run, and if not, the first condition that failed."""
 
     ENABLED = "enabled"

@@ -215,9 +215,17 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
-            logits = self.runner.run(batch)
             seqs = batch.seqs
-            token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            try:
+                logits = self.runner.run(batch)
+                token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            except BaseException:
+                # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
+                # go back) and keep every output owed for the next step, then re-raise.
+                self._pending = outputs
+                for seq in seqs:
+                    self.abort_request(seq.request_id)
+                raise
             outputs += [
                 self._append(seq, token_id) for seq, token_id in zip(seqs, token_ids, strict=True)
             ]

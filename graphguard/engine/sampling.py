@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 MAX_TEMPERATURE = 100.0
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32 into inf and softmax into NaN;
+        # the distribution is a point mass on the argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -91,7 +94,8 @@ def _sample_random_rows(
     """Temperature, then top-k and top-p in sorted space, then one draw per row."""
     device = logits.device
     temperatures = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperatures.unsqueeze(1)
+    # Shift by the row max first: the largest scaled logit is 0, so no temperature overflows.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperatures.unsqueeze(1)
     # NOTE: stable sort keeps the lowest token id first among ties, as argmax does.
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab_size = logits.shape[1]

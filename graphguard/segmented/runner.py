@@ -96,7 +96,7 @@ class SegmentedRunner(RunnerBase):
     # -- the call --------------------------------------------------------------------------
     def __call__(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
         """The pipeline's output carry for `inputs`; `context` goes to the eager stages only."""
-        self.metrics.calls.inc()
+        self._count_call()
         carry = tuple(inputs)
         reason = self._gate() or self._check_inputs(carry)
         out: Carry | None = None
@@ -127,7 +127,7 @@ class SegmentedRunner(RunnerBase):
 
     def _serve(self, carry: Carry, context: Any) -> tuple[Carry | None, FallbackReason | None]:
         key = carry_key(carry)
-        self._count_call(key)
+        self.policy.record_call(key)
         with self._cache.pinned(key) as found:
             if found is not None:
                 return self._replay(cast(SegmentGroup, found), carry, context)
@@ -156,9 +156,9 @@ class SegmentedRunner(RunnerBase):
         return self._finish(out), None
 
     def _finish(self, carry: Carry) -> Carry:
-        if not self.copy_outputs or not isinstance(self.pieces[-1], Segment):
-            return carry  # an eager last stage made fresh tensors already
-        return tuple(t.clone() for t in carry)
+        # NOTE: copy even after an eager last stage: it may pass a segment's static output
+        # through, which the next replay would overwrite.
+        return tuple(t.clone() for t in carry) if self.copy_outputs else carry
 
     # -- capture ---------------------------------------------------------------------------
     def _capture(
@@ -179,6 +179,9 @@ class SegmentedRunner(RunnerBase):
         except GroupOverBudget:
             self.policy.size_hints[key] = group.resident_bytes
             return None, self._reject(group, "over_budget", FallbackReason.OVER_BUDGET, None)
+        except BaseException:
+            group.retire()  # an eager stage raised mid-capture: release the partial group
+            raise
         eager = None
         if self.verify.enabled:
             eager = run_eager(self.pieces, carry, context)

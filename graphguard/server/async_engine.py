@@ -153,6 +153,18 @@ class AsyncEngine:
             logger.exception("engine thread stopped on an unexpected error")
             self._is_closing = True
             self._fail_all(exc)
+        finally:
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Requests sent but never taken in get an error rather than a wait without end."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add) and command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(EngineClosedError("the server is shutting down"))
 
     def _serve_commands_and_steps(self) -> None:
         while True:

@@ -105,6 +105,27 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens one step may run (a whole prompt must fit: there is no chunked prefill); "
+        f"default: the larger of {_ENGINE.max_num_batched_tokens} and --max-model-len",
+    )
+    group.add_argument(
+        "--block-size",
+        type=int,
+        default=_ENGINE.block_size,
+        metavar="N",
+        help=f"tokens per KV cache block (default: {_ENGINE.block_size})",
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=_ENGINE.seed,
+        help=f"seed of requests that bring none (default: {_ENGINE.seed})",
+    )
+    group.add_argument(
         "--max-num-seqs",
         type=int,
         default=_ENGINE.max_num_seqs,
@@ -187,8 +208,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_graph_bytes=args.max_graph_bytes,
         batch_buckets=tuple(args.batch_buckets),
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens
+        or max(_ENGINE.max_num_batched_tokens, args.max_model_len, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        seed=args.seed,
         graph_manifest=args.graph_manifest,
     )
     return ServerConfig(
@@ -228,8 +253,12 @@ def describe_engine(engine: Any, config: ServerConfig) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `graphguard serve`; returns the process exit code."""
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits 2 with the usage line and the reason
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -241,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     from graphguard.server.app import build_app
 
     logger.info("loading %s", config.model_name)
-    engine = LLMEngine(config.engine)
+    try:
+        engine = LLMEngine(config.engine)
+    except ValueError as exc:  # a setting the model or the memory cannot honour
+        logger.error("cannot start: %s", exc)
+        return 2
     for line in describe_engine(engine, config):
         logger.info("%s", line)
     app = build_app(engine, config)

@@ -135,10 +135,13 @@ def test_failed_capture_leaves_no_stream_capturing_and_later_captures_work(devic
     runner = gg.GraphRunner(syncing, admission=EAGER_FIRST)
     x = torch.randn(4, device=device)
     assert torch.equal(runner(x), syncing(x))
-    assert no_stream_capturing()
     assert runner.stats()["fallbacks"] == {"capture_failed": 1}
-    good = gg.GraphRunner(lambda x: x * 2, admission=EAGER_FIRST)
+    for stream in runner.backend._free_streams:  # the failed entry's own stream
+        with torch.cuda.stream(stream):
+            assert not torch.cuda.is_current_stream_capturing()
     torch.randn(3, device=device)  # the default generator left capture mode
+    # The same backend: its next capture reuses the failed entry's stream.
+    good = gg.GraphRunner(lambda x: x * 2, admission=EAGER_FIRST, backend=runner.backend)
     for rows in (1, 2, 3):
         y = torch.randn(rows, device=device)
         assert torch.equal(good(y), y * 2)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from graphguard.server.cli import build_parser, config_from_args
+from graphguard.server.cli import build_parser, config_from_args, main
 from graphguard.server.config import ServerConfig
 
 from .helpers import MODEL, free_port, wait_for
@@ -109,3 +109,15 @@ def test_sigterm_ends_an_in_flight_stream_with_abort(
     reader.join(10)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+
+
+def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--max-num-seqs", "0"])
+    assert exit_info.value.code == 2
+    assert "max_num_seqs must be positive" in capsys.readouterr().err
+
+
+def test_a_long_context_raises_the_step_token_budget_with_it():
+    config = config_from_args(build_parser().parse_args(["--max-model-len", "8192"]))
+    assert config.engine.max_num_batched_tokens == 8192

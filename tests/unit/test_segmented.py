@@ -132,7 +132,7 @@ def test_eviction_retires_all_three_segments_their_pool_and_stream(make):
     assert runner.stats()["evictions"] == 1 and first.is_retired
     assert all(e.is_retired and e.graph is None and e.static_args == [] for e in entries)
     assert backend.pool_reserved_bytes(pool) == 0 and stream in backend.released_streams
-    assert first.pool_group.members == set()
+    assert first.pool_group.num_members == 0
 
 
 def test_a_1mib_budget_serves_every_call_eagerly_and_correctly(make):
@@ -214,3 +214,30 @@ def test_an_eager_stage_that_changes_shape_finishes_the_call_eagerly(make):
     x = x_of(5, 1)
     assert_bitwise(runner((x,), 2), runner.eager((x,), 2))
     assert runner.stats()["fallbacks"] == {FallbackReason.UNBUCKETED_SHAPE.value: 1}
+
+
+def test_results_are_copies_even_behind_a_pass_through_eager_tail(make):
+    stages = [Stage("double", lambda x: (x * 2,)), Stage("tail", lambda ctx, x: (x,), eager=True)]
+    runner = make(stages)
+    first = runner([torch.ones(4)])[0]
+    runner([torch.full((4,), 5.0)])
+    runner([torch.full((4,), 5.0)])
+    assert torch.equal(first, torch.full((4,), 2.0))
+
+
+def test_an_eager_stage_raising_mid_capture_releases_the_partial_group(make):
+    def failing(ctx, x):
+        raise RuntimeError("eager stage failed")
+
+    backend = SimBackend()
+    runner = make(
+        [
+            Stage("a", lambda x: (x + 1,)),
+            Stage("hole", failing, eager=True),
+            Stage("b", lambda x: (x * 2,)),
+        ],
+        backend=backend,
+    )
+    with pytest.raises(RuntimeError, match="eager stage failed"):
+        runner([torch.ones(2)], Ctx())
+    assert backend._pool_bytes == {} and runner.stats()["groups"] == 0

@@ -123,7 +123,7 @@ def test_prewarmed_mode_replays_only_warmed_keys(make_runner):
     runner(*inputs(2))
     runner(*inputs(3))
     stats = runner.stats()
-    assert stats["replays"] == 2  # the warm-up's verified replay and this call
+    assert stats["replays"] == 1  # this call; the warm-up replay answered no call
     assert stats["fallbacks"] == {"not_prewarmed": 1}
 
 
@@ -161,3 +161,12 @@ def test_quarantine_doubles_its_backoff():
     )
     key = GraphKey(("k",))
     assert [policy.quarantine(key) for _ in range(4)] == [1.0, 2.0, 4.0, 4.0]
+
+
+def test_a_prewarmed_key_is_captured_again_after_an_invalidation(make_runner):
+    runner = make_runner(admission=AdmissionConfig(min_hits=3))
+    runner.warmup([inputs(2)], progress=False)
+    runner.invalidate()  # new weights, say
+    runner(*inputs(2))
+    stats = runner.stats()
+    assert stats["entries"] == 1 and stats["fallbacks"] == {}

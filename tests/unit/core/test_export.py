@@ -276,7 +276,7 @@ def test_prewarmed_graphs_replay_equal_to_eager_without_a_capture(make_runner, m
         got = runner(x, pos)
         assert all(torch.equal(a, b) for a, b in zip(got, mlp_step(x, pos), strict=True))
     assert runner.backend.num_captures == num_captures
-    assert runner.stats()["replays"] == 3 + 3  # 3 verified at prewarm, then 3 served
+    assert runner.stats()["replays"] == 3  # served; prewarm's verified replays answered no call
 
 
 def test_prewarm_goes_largest_first_and_stops_at_the_budget(make_runner, manifest_path):
@@ -326,6 +326,12 @@ def test_inspect_prints_a_row_per_graph_with_bytes_and_parity(manifest_path, cap
     assert len(rows) == 3 and all("2.0 MiB" in r and "exact" in r for r in rows)
     assert "float32[8x8]@cpu" in rows[0]
     assert "graph 0: unavailable: the sim backend has no CUDA graph nodes" in out
+
+
+def test_inspect_of_a_manifest_without_graphs_prints_the_header(make_runner, tmp_path, capsys):
+    make_runner().export(tmp_path / "empty.json")
+    assert graphguard_main(["inspect", str(tmp_path / "empty.json")]) == 0
+    assert "0 graphs" in capsys.readouterr().out
 
 
 def test_inspect_json_prints_the_manifest(manifest_path, capsys):
@@ -426,3 +432,14 @@ def test_serve_flag_graph_manifest_reaches_the_engine_config():
     args = build_parser().parse_args(["--graph-manifest", "/srv/decode.json"])
     assert config_from_args(args).engine.graph_manifest == "/srv/decode.json"
     assert config_from_args(build_parser().parse_args([])).engine.graph_manifest is None
+
+
+def test_a_manifest_key_that_cannot_be_built_is_skipped_not_raised(make_runner, manifest_path):
+    def negative_and_huge(data):
+        data["graphs"][0]["key"]["args"][0]["tensor"]["shape"][0] = -3
+        data["graphs"][1]["key"]["args"][0]["tensor"]["shape"][1] = 1 << 40
+
+    runner = make_runner(buckets=BUCKETS)
+    report = runner.prewarm(edited(manifest_path, negative_and_huge), progress=False)
+    assert any("negative dimension" in why for why in report.skipped.values())
+    assert any("exceed the byte budget" in why for why in report.skipped.values())

@@ -179,7 +179,9 @@ def test_sampled_reverification_quarantines_on_drift(make_runner):
     runner.fn = drifting
     runner(torch.zeros(2))
     out = runner(torch.zeros(2))  # replay 4: re-verified, differs, evicted, eager returned
-    assert runner.stats()["entries"] == 0 and runner.stats()["quarantined_keys"] == 1
+    stats = runner.stats()
+    assert stats["entries"] == 0 and stats["quarantined_keys"] == 1
+    assert stats["fallbacks"] == {"parity_mismatch": 1} and stats["parity_mismatches"] == 1
     assert torch.equal(out, torch.full((2,), float(calls["n"])))
 
 
@@ -277,3 +279,59 @@ def test_every_fallback_has_exactly_one_reason(make_runner, monkeypatch):
     stats = runner.stats()
     assert sum(stats["fallbacks"].values()) == 3
     assert set(stats["fallbacks"]) <= {r.value for r in FallbackReason}
+
+
+def test_an_exception_escaping_capture_still_retires_the_candidate(make_runner):
+    state = {"interrupt": True}
+
+    def step(x):
+        if state["interrupt"]:
+            raise KeyboardInterrupt  # not an Exception: capture must not swallow it
+        return x * 2
+
+    runner = make_runner(step)
+    with pytest.raises(KeyboardInterrupt):
+        runner(torch.ones(2))
+    backend = runner.backend
+    assert backend._pool_bytes == {} and len(backend.released_streams) == 1
+
+
+def test_a_tensor_argument_without_a_pad_value_falls_back_unsupported(make_runner):
+    runner = make_runner(buckets=gg.Buckets(batch=[4], pad_value=(0,)))
+    x, pos = inputs(2)
+    assert torch.allclose(runner(x, pos)[0], mlp_step(x, pos)[0])
+    assert runner.stats()["fallbacks"] == {"unsupported_input": 1}
+
+
+def test_every_call_is_one_replay_or_one_fallback(make_runner, monkeypatch, clock):
+    calls = {"n": 0}
+
+    def step(x):
+        calls["n"] += 1
+        return x + (calls["n"] if x.shape[0] == 3 else 0)  # rows=3 never matches eager
+
+    runner = make_runner(step, buckets=gg.Buckets(batch=[2, 4]), reverify_every=2)
+    for rows in (1, 2, 2, 2, 3, 3, 5, 9):
+        runner(torch.ones(rows))
+    monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
+    runner(torch.ones(2))
+    stats = runner.stats()
+    assert stats["calls"] == 9
+    assert stats["calls"] == stats["replays"] + sum(stats["fallbacks"].values())
+
+
+def test_quarantined_keys_gauge_adds_up_across_runners_sharing_metrics(make_runner):
+    metrics = gg.GraphMetrics()
+    first = make_runner(host_sync_step, metrics=metrics)
+    second = make_runner(host_sync_step, metrics=metrics)
+    first(*inputs(2))
+    first(*inputs(3))
+    second(*inputs(2))
+    assert metrics.quarantined._value.get() == 3
+
+
+def test_zero_windows_are_rejected():
+    with pytest.raises(ValueError, match="must be > 0"):
+        gg.AdmissionConfig(capture_window_s=0)
+    with pytest.raises(ValueError, match="max_recaptures"):
+        gg.AdmissionConfig(max_recaptures=0)

@@ -152,3 +152,20 @@ def test_abort_of_a_waiting_request_reports_abort_without_running_it(
     outputs = run_to_completion(engine)["r"]
     assert [(o.finish_reason, o.num_output_tokens) for o in outputs] == [("abort", 0)]
     assert engine.stats()["num_steps"] == 0
+
+
+def test_a_failing_step_aborts_its_batch_and_frees_the_blocks(engine: LLMEngine) -> None:
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    engine.step()  # prefill
+
+    def broken(*args: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+    engine.runner.decode_fn = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    assert engine.kv.num_used_blocks == 0
+    engine.runner.decode_fn = engine.runner.eager_decode
+    [out] = engine.step()
+    assert out.request_id == "a" and out.finish_reason == "abort"
+    assert not engine.has_unfinished_requests()

@@ -101,3 +101,11 @@ def test_validate_accepts_the_defaults_and_the_edges() -> None:
     SamplingParams().validate()
     SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1).validate()
     SamplingParams(temperature=100.0, top_p=1e-6, stop=("\n",)).validate()
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_failing():
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, 0.1, 4.0]])
+    tiny = SamplingParams(temperature=1e-40, seed=1)
+    small = SamplingParams(temperature=1e-3, seed=1)
+    gens = [make_generator(1, logits.device), make_generator(2, logits.device)]
+    assert sample(logits, [tiny, small], gens) == [1, 2]
