@@ -54,9 +54,9 @@ class CudaBackend:
         self._free_streams: list[torch.cuda.Stream] = []
         if _suspect_cublas_config():
             log.warning(
-                "graphguard: CUBLAS_WORKSPACE_CONFIG is not ':4096:8'; with several streams "
-                "active cuBLAS may choose other kernels than eager, and exact parity checks can "
-                "then reject good graphs. Set it before CUDA starts."
+                "graphguard: CUBLAS_WORKSPACE_CONFIG is neither ':4096:8' nor ':16:8'; with "
+                "several streams active cuBLAS may choose other kernels than eager, and exact "
+                "parity checks can then reject good graphs. Set it before CUDA starts."
             )
         self.num_warmup = num_warmup
 

@@ -99,6 +99,7 @@ class GraphCache:
         Returns False (and leaves the entry to the caller to retire) when it cannot fit.
         """
         with self.lock:
+            assert entry.key not in self._entries, "one admitted entry per key"
             victims = self.victims_for(entry.resident_bytes)
             if victims is None:
                 return False
@@ -117,7 +118,8 @@ class GraphCache:
                 self._remove(victim, "budget")
 
     def evict(self, key: GraphKey, cause: str) -> bool:
-        """Evict one key (if admitted and unpinned, or `cause` forces it). True if removed."""
+        """Evict one key if admitted, pinned or not (reverify and tests force it). True if
+        removed; a replay in flight finishes first, since retire waits on its event."""
         with self.lock:
             entry = self._entries.get(key)
             if entry is None:

@@ -24,7 +24,6 @@ from torch import Tensor
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.attention import AttentionMetadata, paged_attention
-from graphguard.engine.decode_graphs import GraphCapability, check_capability
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.models.layers import DecoderLayer, apply_rope
@@ -201,7 +200,7 @@ def install_prefill_graphs(engine: LLMEngine, admission: AdmissionConfig | None 
     """Put segmented prefill under the engine when its decode graphs passed the capability
     proof (the same conditions); returns whether it did."""
     backend = engine.config.graph_backend
-    if check_capability(engine, backend) is not GraphCapability.ENABLED:
+    if engine.graphs is None:  # the decode graphs' capability proof failed (or eager forced)
         return False
     metrics = getattr(engine.graphs, "metrics", None)
     graphs = PrefillGraphs(engine, backend=backend, admission=admission, metrics=metrics)
