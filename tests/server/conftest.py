@@ -35,7 +35,12 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="session")
 def server(engine: LLMEngine) -> Iterator[RunningServer]:
-    config = ServerConfig(port=free_port(), engine=TEST_ENGINE)
+    yield from serve(engine, TEST_ENGINE)
+
+
+def serve(engine: LLMEngine, engine_config: EngineConfig) -> Iterator[RunningServer]:
+    """Run `engine` behind uvicorn on a free loopback port until the generator is closed."""
+    config = ServerConfig(port=free_port(), engine=engine_config)
     app = build_app(engine, config)
     uv = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")

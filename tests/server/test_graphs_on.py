@@ -1,0 +1,53 @@
+"""The server with decode graphs on (SimBackend on CPU): /v1/graphs and /metrics show them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from graphguard.engine.engine import LLMEngine
+from graphguard.engine.loader import LoadedModel
+
+from .conftest import TEST_ENGINE, serve
+from .helpers import RunningServer
+
+GRAPH_ENGINE = replace(TEST_ENGINE, max_num_seqs=4, graph_backend="sim")
+
+
+@pytest.fixture(scope="module")
+def graph_server(engine: LLMEngine) -> Iterator[RunningServer]:
+    loaded = LoadedModel(engine.loaded.name, engine.model, engine.model_config, engine.tokenizer)
+    graph_engine = LLMEngine(GRAPH_ENGINE, loaded)
+    yield from serve(graph_engine, GRAPH_ENGINE)
+
+
+def ask_paris(server: RunningServer) -> str:
+    reply = server.openai(timeout=60).chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=12,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_greedy_answers_are_unchanged_with_graphs_on(graph_server: RunningServer) -> None:
+    assert "Paris" in ask_paris(graph_server)
+
+
+def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningServer) -> None:
+    ask_paris(graph_server)
+    body = httpx.get(f"{graph_server.base_url}/v1/graphs").json()
+    assert body["enabled"] is True and body["reason"] == "enabled"
+    assert body["replays"] > 0 and body["graphs"] and body["resident_bytes"] > 0
+    assert body["kv_bytes"] == graph_server.engine.kv.kv_bytes
+
+
+def test_metrics_carry_the_graph_runtime_counters(graph_server: RunningServer) -> None:
+    ask_paris(graph_server)
+    samples = graph_server.scrape()
+    assert samples[("graphguard_replays_total", frozenset())] > 0
+    assert samples[("graphguard_graph_resident_bytes", frozenset())] > 0
