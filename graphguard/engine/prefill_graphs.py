@@ -26,7 +26,7 @@ from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.attention import AttentionMetadata, paged_attention
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
-from graphguard.engine.models.layers import DecoderLayer, apply_rope
+from graphguard.engine.models.layers import DecoderLayer
 from graphguard.segmented import Carry, SegmentedRunner, Stage, run_eager, split_segments
 
 if TYPE_CHECKING:
@@ -76,15 +76,8 @@ def _embed(model: DecoderModel) -> Any:
 
 
 def _pre_attention(layer: DecoderLayer) -> Any:
-    attn = layer.self_attn
-
     def pre(h: Tensor, cos: Tensor, sin: Tensor) -> Carry:
-        num_tokens, x = h.shape[0], layer.input_layernorm(h)
-        q = attn.q_proj(x).view(num_tokens, attn.num_heads, attn.head_dim)
-        k = attn.k_proj(x).view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        v = attn.v_proj(x).view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        q, k = attn.normalize_qk(q, k)
-        return h, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cos, sin
+        return h, *layer.pre_attention(h, cos, sin), cos, sin
 
     return pre
 
@@ -100,11 +93,8 @@ def _attention(index: int, layer: DecoderLayer) -> Any:
 
 
 def _post_attention(layer: DecoderLayer) -> Any:
-    attn = layer.self_attn
-
     def post(h: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
-        h = h + attn.o_proj(out.reshape(h.shape[0], attn.num_heads * attn.head_dim))
-        return h + layer.mlp(layer.post_attention_layernorm(h)), cos, sin
+        return layer.post_attention(h, out), cos, sin
 
     return post
 

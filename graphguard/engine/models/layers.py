@@ -77,6 +77,18 @@ class GQAAttention(nn.Module):
         """Hook for families that normalize q/k per head before RoPE (identity here)."""
         return q, k
 
+    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x ``[T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.normalize_qk(q, k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def project_out(self, out: Tensor) -> Tensor:
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
     def forward(
         self,
         x: Tensor,
@@ -86,14 +98,8 @@ class GQAAttention(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
     ) -> Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        q, k, v = self.project_qkv(x, cos, sin)
+        return self.project_out(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 
 class SwiGLUMLP(nn.Module):
@@ -129,4 +135,14 @@ class DecoderLayer(nn.Module):
         v_cache: Tensor,
     ) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
+        return self.mlp_block(h)
+
+    # The two halves around attention, for pipelines that run attention between graphs.
+    def pre_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: Tensor, out: Tensor) -> Tensor:
+        return self.mlp_block(x + self.self_attn.project_out(out))
+
+    def mlp_block(self, h: Tensor) -> Tensor:
         return h + self.mlp(self.post_attention_layernorm(h))
