@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -9,7 +11,6 @@ from .helpers import MODEL, RunningServer, wait_for
 
 KV_USED = "graphguard_server_kv_blocks_used"
 RUNNING = "graphguard_server_requests_running"
-GENERATED = "graphguard_server_generation_tokens_total"
 # Long enough that finishing naturally takes far longer than the abort is given (~25 ms/token).
 LONG_MAX_TOKENS = 600
 
@@ -24,9 +25,21 @@ def _long_request(stream: bool) -> dict[str, object]:
     }
 
 
+def engine_tokens(server: RunningServer) -> int:
+    return int(server.engine.stats()["num_generated_tokens"])
+
+
+def assert_engine_stopped_generating(server: RunningServer, before: int) -> None:
+    """The engine itself (not just the handler) stopped: no token is produced any more."""
+    settled = engine_tokens(server)
+    time.sleep(0.5)
+    assert engine_tokens(server) == settled
+    assert settled - before < LONG_MAX_TOKENS
+
+
 def test_stream_disconnect_returns_kv_blocks_to_baseline(server: RunningServer) -> None:
     baseline = server.sample(KV_USED)
-    generated_before = server.sample(GENERATED)
+    generated_before = engine_tokens(server)
     url = f"{server.base_url}/v1/completions"
     with httpx.stream("POST", url, json=_long_request(stream=True), timeout=30) as response:
         events = (line for line in response.iter_lines() if line.startswith("data: "))
@@ -36,14 +49,14 @@ def test_stream_disconnect_returns_kv_blocks_to_baseline(server: RunningServer) 
     # Leaving the block closed the connection mid-stream.
     assert wait_for(lambda: server.sample(KV_USED) == baseline, timeout_s=5)
     assert wait_for(lambda: server.sample(RUNNING) == 0, timeout_s=5)
-    assert server.sample(GENERATED) - generated_before < LONG_MAX_TOKENS
+    assert_engine_stopped_generating(server, generated_before)
 
 
 def test_non_streaming_disconnect_returns_kv_blocks_to_baseline(server: RunningServer) -> None:
     baseline = server.sample(KV_USED)
-    generated_before = server.sample(GENERATED)
+    generated_before = engine_tokens(server)
     url = f"{server.base_url}/v1/completions"
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=_long_request(stream=False), timeout=httpx.Timeout(30, read=1.0))
     assert wait_for(lambda: server.sample(KV_USED) == baseline, timeout_s=5)
-    assert server.sample(GENERATED) - generated_before < LONG_MAX_TOKENS
+    assert_engine_stopped_generating(server, generated_before)
