@@ -18,7 +18,7 @@ from graphguard.engine.config import EngineConfig, ModelConfig
 from graphguard.engine.decode_graphs import install_decode_graphs
 from graphguard.engine.detokenize import IncrementalDetokenizer
 from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.loader import LoadedModel, load_model
+from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner
 from graphguard.engine.prefill_graphs import install_prefill_graphs
 from graphguard.engine.sampling import SamplingParams, make_generator, sample
@@ -28,7 +28,6 @@ from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
 KV_BYTES_ON_CPU = 1 << 30
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -50,15 +49,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Resolve a dtype name; "auto" is bfloat16 on cuda, float32 elsewhere."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
 
 
 class LLMEngine:

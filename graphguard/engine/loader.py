@@ -72,16 +72,18 @@ def load_model(
     return LoadedModel(name, model, config, tokenizer, load_path=load_path, folder=folder)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
-    """None/"auto" -> float32 on CPU, bfloat16 elsewhere; names like "bfloat16" are accepted."""
+    """None/"auto" -> bfloat16 on CUDA, float32 elsewhere; or one of DTYPES by name."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    resolved = getattr(torch, dtype, None)
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return resolved
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 def embedded_gguf_path() -> Path:
