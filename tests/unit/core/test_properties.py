@@ -52,8 +52,13 @@ def test_budget_retirement_and_results_hold_for_any_call_sequence(budget_segment
             else:
                 clock.advance(a)
             stats = runner.stats()
+            entries = runner._cache.entries()
             assert stats["resident_bytes"] <= stats["max_bytes"]
-            assert all(e.state is EntryState.ADMITTED for e in runner._cache.entries())
+            assert stats["resident_bytes"] == sum(e.resident_bytes for e in entries)
+            assert all(e.state is EntryState.ADMITTED for e in entries)
+            # every call is one replay or one fallback, and no pool outlives its graph
+            assert stats["calls"] == stats["replays"] + sum(stats["fallbacks"].values())
+            assert set(runner.backend._pool_bytes) == {e.pool[1] for e in entries}
             assert not retired_streams & set(replayed[before:])  # no retired graph replays
     finally:
         runner.close()
