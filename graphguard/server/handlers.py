@@ -197,6 +197,8 @@ async def _generate(
         raise APIError(400, str(exc), code="invalid_request") from exc
     except EngineClosedError as exc:
         raise APIError(503, str(exc)) from exc
+    # Counted from admission on: a request aborted before its first token still read its prompt.
+    trace.num_prompt_tokens = stream.num_prompt_tokens
     if body.stream:
         events = _sse_events(ctx, stream, fmt, trace, body.include_usage)
         headers = {"Cache-Control": "no-cache", "X-Request-Id": fmt.request_id}
