@@ -29,6 +29,7 @@ class Backend(Protocol):
 
     def new_stream(self) -> Any: ...
     def release_stream(self, stream: Any) -> None: ...
+    def release_pool(self, pool: Any) -> None: ...
     def new_pool(self) -> Any: ...
     def new_event(self) -> Any: ...
     def capture(
@@ -178,6 +179,9 @@ class CudaBackend:
             if tuple(seg.get("segment_pool_id", ())) == wanted
         )
 
+    def release_pool(self, pool: Any) -> None:
+        return None  # the pool's segments go back on the next trim, once its graph is reset
+
     def trim(self) -> None:
         torch.cuda.empty_cache()
 
@@ -213,10 +217,3 @@ def _suspect_cublas_config() -> bool:
     """cuBLAS may pick other kernels while several streams are active unless its workspace
     configuration is pinned, which breaks bitwise parity between a graph and eager."""
     return os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8")
-
-
-def release_pool(backend: Any, pool: Any) -> None:
-    """Drop the backend's record of a pool (CUDA frees its segments on the next trim)."""
-    release = getattr(backend, "release_pool", None)
-    if release is not None:
-        release(pool)

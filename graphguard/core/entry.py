@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from graphguard.core.backends import Backend, release_pool
+from graphguard.core.backends import Backend
 from graphguard.core.keys import GraphKey
 
 _OPAQUE = (type, str, bytes, int, float, types.ModuleType)
@@ -73,7 +73,7 @@ class PoolGroup:
             if self.num_members > 0:
                 return
             pool, stream, self.pool, self.stream = self.pool, self.stream, None, None
-        release_pool(backend, pool)
+        backend.release_pool(pool)
         backend.release_stream(stream)
 
 
@@ -198,7 +198,7 @@ class GraphEntry:
     def _release_pool_and_stream(self) -> None:
         group = self.group
         if group is None:
-            release_pool(self.backend, self.pool)
+            self.backend.release_pool(self.pool)
             self.backend.release_stream(self.stream)
         else:
             group.leave(self.backend)

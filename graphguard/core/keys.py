@@ -82,10 +82,6 @@ class Buckets:
         if not isinstance(self.pad_value, (int, float)):
             object.__setattr__(self, "pad_value", tuple(self.pad_value))
 
-    @property
-    def max_rows(self) -> int:
-        return self.batch[-1]
-
     def bucket_for(self, rows: int) -> int | None:
         """The smallest bucket >= rows, or None when rows exceeds the largest bucket."""
         sizes: tuple[int, ...] = self.batch  # type: ignore[assignment]

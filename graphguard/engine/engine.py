@@ -10,17 +10,16 @@ import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from graphguard.engine.config import EngineConfig, ModelConfig
-from graphguard.engine.decode_graphs import install_decode_graphs
+from graphguard.engine.decode_graphs import DecodeGraphs, install_decode_graphs
 from graphguard.engine.detokenize import IncrementalDetokenizer
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner
-from graphguard.engine.prefill_graphs import install_prefill_graphs
+from graphguard.engine.prefill_graphs import PrefillGraphs, install_prefill_graphs
 from graphguard.engine.sampling import SamplingParams, make_generator, sample
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
@@ -76,7 +75,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(self.model, self.kv, self.device)
-        self.graphs: Any = None  # DecodeGraphs when the capability proof passes
+        self.graphs: DecodeGraphs | None = None  # when the capability proof passes
         self.graphs_disabled_reason: str | None = None
         self.on_reload: list[Callable[[], None]] = []  # run before new weights are loaded
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
@@ -87,7 +86,7 @@ class LLMEngine:
         self._num_steps = 0
         self._num_generated_tokens = 0
         install_decode_graphs(self)
-        self.prefill_graphs: Any = None  # PrefillGraphs when the capability proof passes
+        self.prefill_graphs: PrefillGraphs | None = None  # when decode graphs are on
         install_prefill_graphs(self)
         # Image input (random-weight tower; see graphguard/engine/vision.py).
         hidden_size = self.model_config.hidden_size
@@ -306,9 +305,8 @@ class LLMEngine:
             self._detokenizers.clear()
             self._pending.clear()
             graphs, self.graphs = self.graphs, None
-            close = getattr(graphs, "close", None)
-            if callable(close):
-                close()
+            if graphs is not None:
+                graphs.close()
             self.runner.decode_fn = self.runner.eager_decode
             prefill, self.prefill_graphs = self.prefill_graphs, None
             if prefill is not None:

@@ -192,7 +192,7 @@ def install_prefill_graphs(engine: LLMEngine, admission: AdmissionConfig | None 
     backend = engine.config.graph_backend
     if engine.graphs is None:  # the decode graphs' capability proof failed (or eager forced)
         return False
-    metrics = getattr(engine.graphs, "metrics", None)
+    metrics = engine.graphs.metrics  # one registry for the decode and prefill graphs
     graphs = PrefillGraphs(engine, backend=backend, admission=admission, metrics=metrics)
     engine.prefill_graphs = graphs
     engine.runner.prefill_fn = graphs

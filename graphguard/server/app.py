@@ -37,7 +37,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         metrics=metrics,
         tokenizer=engine.tokenizer,
         model_name=config.model_name,
-        max_model_len=getattr(engine, "max_model_len", engine.config.max_model_len),
+        max_model_len=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
         max_pool_tokens=engine.stats()["kv_blocks_total"] * engine.config.block_size,
     )
@@ -91,7 +91,7 @@ async def chat_completions(
 @router.get("/metrics")
 async def get_metrics(ctx: Serving) -> Response:
     ctx.metrics.observe_engine(ctx.engine.stats())
-    graphs = getattr(ctx.engine.engine, "graphs", None)
+    graphs = ctx.engine.engine.graphs
     # The graph registry's collectors take the graph cache's lock: keep that off the loop.
     body = await asyncio.to_thread(ctx.metrics.render, graphs)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -99,7 +99,7 @@ async def get_metrics(ctx: Serving) -> Response:
 
 @router.get("/v1/graphs")
 async def get_graphs(ctx: Serving) -> JSONResponse:
-    runtime = getattr(ctx.engine.engine, "graphs", None)
+    runtime = ctx.engine.engine.graphs
     if runtime is None:
         return JSONResponse({"enabled": False, "reason": graphs_off_reason(ctx.engine.engine)})
     stats = await asyncio.to_thread(runtime.stats)
@@ -108,12 +108,9 @@ async def get_graphs(ctx: Serving) -> JSONResponse:
 
 def graphs_off_reason(engine: LLMEngine) -> str:
     """Why the engine decodes eagerly, for /v1/graphs and the startup log."""
-    reason = getattr(engine, "graphs_disabled_reason", None)
-    if reason:
-        return str(reason)
-    if engine.config.enforce_eager:
-        return "--enforce-eager is set"
-    return f"no decode graph runner on {getattr(engine, 'device', engine.config.device)}"
+    # NOTE: the engine sets one of graphs and graphs_disabled_reason when it starts; neither
+    # is left once it has shut down.
+    return engine.graphs_disabled_reason or "the engine is shut down"
 
 
 def _jsonable(value: Any) -> Any:

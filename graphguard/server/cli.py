@@ -231,14 +231,13 @@ def describe_engine(engine: Any, config: ServerConfig) -> list[str]:
 
     stats = engine.stats()
     source = config.engine.model or "embedded"
-    device = getattr(engine, "device", config.engine.device)
-    dtype = str(getattr(engine, "dtype", config.engine.dtype)).removeprefix("torch.")
-    max_model_len = getattr(engine, "max_model_len", config.engine.max_model_len)
+    device, max_model_len = engine.device, engine.max_model_len
+    dtype = str(engine.dtype).removeprefix("torch.")
     kv = (
         f"{stats.get('kv_blocks_total', '?')} blocks x {config.engine.block_size} tokens "
         f"({stats.get('kv_bytes', 0) / (1 << 20):.0f} MiB)"
     )
-    graphs = getattr(engine, "graphs", None)
+    graphs = engine.graphs
     if graphs is None:
         graph_line = f"decode graphs: off ({graphs_off_reason(engine)})"
     else:

@@ -27,7 +27,7 @@ async def chat_prompt(
 ) -> tuple[list[int], list[Tensor]]:
     """Prompt token ids of the conversation and the pixel tensors of its images, in order."""
     urls = [url for message in body.messages for url in message.image_urls]
-    vision: VisionEncoder | None = getattr(ctx.engine.engine, "vision", None)
+    vision: VisionEncoder | None = ctx.engine.engine.vision
     if urls and vision is None:
         raise APIError(
             400, "This model does not accept images.", param="messages", code="invalid_image"
