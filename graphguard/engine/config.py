@@ -92,6 +92,7 @@ class EngineConfig:
     seed: int = 0
     graph_backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
     graph_manifest: str | None = None  # prewarm the decode graphs of this manifest at start
+    warmup_graphs: bool = False  # capture every decode (batch, width) key at start, in budget
 
     def __post_init__(self) -> None:
         if self.graph_backend not in ("auto", "cuda", "sim"):

@@ -27,7 +27,9 @@ from graphguard.core.keys import Buckets
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.prewarm import prewarm
 from graphguard.core.runner import GraphRunner, WarmupReport, kill_switch_on
+from graphguard.engine.config import EngineConfig
 from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.model_runner import width_bucket
 
 if TYPE_CHECKING:
     from graphguard.engine.engine import LLMEngine
@@ -187,7 +189,29 @@ def install_decode_graphs(engine: LLMEngine) -> GraphCapability:
     )
     if engine.config.graph_manifest:
         _prewarm_from(graphs, engine.config.graph_manifest)
+    if engine.config.warmup_graphs:
+        batch_sizes, widths = warmup_shapes(engine.config)
+        report = graphs.warmup(batch_sizes, widths)
+        log.info(
+            "graphguard decode warmup: %d of %d keys captured in %.1f s",
+            len(report.captured),
+            len(batch_sizes) * len(widths),
+            report.seconds,
+        )
     return capability
+
+
+def warmup_shapes(config: EngineConfig) -> tuple[list[int], list[int]]:
+    """The decode batch buckets and block-table widths that a server with `config` can run.
+
+    Batch buckets stop at the first one that holds max_num_seqs rows; widths are the powers of
+    two up to the padded width of a max_model_len sequence.
+    """
+    buckets = sorted(config.batch_buckets)
+    cap = next((b for b in buckets if b >= config.max_num_seqs), buckets[-1])
+    max_width = width_bucket(-(-config.max_model_len // config.block_size))
+    widths = [1 << i for i in range(max_width.bit_length())]
+    return [b for b in buckets if b <= cap], widths
 
 
 def _prewarm_from(graphs: DecodeGraphs, manifest: str) -> None:

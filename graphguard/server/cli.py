@@ -162,6 +162,14 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         help="prewarm the decode graphs listed in this manifest (written by export()) at start; "
         "a manifest from another torch, device or model is refused and graphs start lazily",
     )
+    group.add_argument(
+        "--warmup-graphs",
+        action="store_true",
+        default=_ENGINE.warmup_graphs,
+        help="capture every decode graph the server can use (batch buckets up to "
+        "--max-num-seqs, block-table widths up to --max-model-len) before serving, largest "
+        "first within --max-graph-bytes; without it graphs are captured as traffic earns them",
+    )
     buckets = ",".join(str(b) for b in _ENGINE.batch_buckets)
     group.add_argument(
         "--batch-buckets",
@@ -215,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         block_size=args.block_size,
         seed=args.seed,
         graph_manifest=args.graph_manifest,
+        warmup_graphs=args.warmup_graphs,
     )
     return ServerConfig(
         host=args.host,

@@ -41,6 +41,9 @@ def test_flags_reach_the_engine_config() -> None:
     assert engine.batch_buckets == (1, 2, 8)
     assert engine.max_graph_bytes == 512 << 20
     assert engine.enforce_eager is True
+    assert engine.warmup_graphs is False
+    warm = config_from_args(build_parser().parse_args(["--warmup-graphs"])).engine
+    assert warm.warmup_graphs is True
 
 
 def test_unsorted_batch_buckets_are_refused() -> None:

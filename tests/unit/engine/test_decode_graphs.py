@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.decode_graphs import DecodeGraphs, GraphCapability
+from graphguard.engine.config import EngineConfig
+from graphguard.engine.decode_graphs import DecodeGraphs, GraphCapability, warmup_shapes
 from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.model_runner import width_bucket
 from graphguard.engine.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
@@ -172,6 +174,36 @@ def test_warmup_captures_all_padding_keys_largest_first(embedded_model):
         assert engine.kv.num_used_blocks == 0
     finally:
         engine.shutdown()
+
+
+def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
+    config = EngineConfig(
+        max_num_seqs=5, max_model_len=100, block_size=16, batch_buckets=(1, 2, 4, 8, 16)
+    )
+    batch_sizes, widths = warmup_shapes(config)
+    # 5 rows pad up to 8, so 16 is never used; 100 tokens fill 7 blocks, padded to width 8.
+    assert batch_sizes == [1, 2, 4, 8] and widths == [1, 2, 4, 8]
+    for length in range(1, config.max_model_len + 1):
+        assert width_bucket(-(-length // config.block_size)) in widths
+    wide = EngineConfig(max_num_seqs=40, max_model_len=64, batch_buckets=(1, 16))
+    assert warmup_shapes(wide) == ([1, 16], [1, 2, 4])
+
+
+def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded_model):
+    settings = {"graph_backend": "sim", "batch_buckets": (1, 2, 4), "max_model_len": 16}
+    engine = make_engine(embedded_model, warmup_graphs=True, **settings)
+    eager = make_engine(embedded_model, enforce_eager=True, max_model_len=16)
+    try:
+        before = engine.graphs.stats()
+        # Buckets 1, 2, 4 (max_num_seqs 4) by widths 1, 2, 4 (16 tokens in blocks of 4).
+        assert before["entries"] == before["captures"] == 9
+        assert before["replays"] == 0 and engine.kv.num_used_blocks == 0
+        assert generate(engine) == generate(eager)
+        after = engine.graphs.stats()
+        assert after["captures"] == 9 and after["replays"] > 0 and after["fallbacks"] == {}
+    finally:
+        engine.shutdown()
+        eager.shutdown()
 
 
 def test_graph_stats_report_kv_bytes_next_to_graph_bytes(embedded_model):
