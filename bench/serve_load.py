@@ -1,7 +1,7 @@
 """Load test for `graphguard serve` over loopback: a fixed number of streaming requests at a
 fixed concurrency; reports requests/s, tokens/s, TTFT and TPOT percentiles, and writes JSON.
 
-    python bench/serve_load.py                       # starts the embedded model in-process
+    python bench/serve_load.py                       # starts `graphguard serve` (embedded model)
     python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
 
 Requests use `ignore_eos` so every one generates exactly --max-tokens tokens.
@@ -14,10 +14,11 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,42 +112,46 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, float]:
 
 
 @contextmanager
-def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str, float]]:
-    """The embedded model behind uvicorn on a free loopback port, for the duration; also the
-    seconds the engine took to start (load, KV allocation, and graph warm-up if asked)."""
-    import uvicorn
+def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, float]]:
+    """`graphguard serve` in a process of its own on a free loopback port, for the duration;
+    also the seconds from launch to a healthy server (load, KV, graph warm-up if asked).
 
-    from graphguard.engine.config import EngineConfig
-    from graphguard.engine.engine import LLMEngine
-    from graphguard.server.app import build_app
-    from graphguard.server.config import ServerConfig
-
+    A separate process keeps the load generator's event loop off the server's interpreter lock,
+    as it is with real clients.
+    """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    engine_config = EngineConfig(
-        model=args.model_path,
-        device=args.device,
-        enforce_eager=args.enforce_eager,
-        warmup_graphs=args.warmup_graphs,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-    )
-    config = ServerConfig(port=port, engine=engine_config)
+    command = [sys.executable, "-m", "graphguard.server.cli", "--port", str(port)]
+    command += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
+    command += ["--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+    command += ["--model", args.model_path] if args.model_path else []
+    command += ["--enforce-eager"] if args.enforce_eager else []
+    command += ["--warmup-graphs"] if args.warmup_graphs else []
     started = time.perf_counter()
-    engine = LLMEngine(engine_config)
-    start_s = round(time.perf_counter() - started, 2)
-    app = build_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}", config.model_name, start_s
+        while not _healthy(url):
+            if process.poll() is not None:
+                sys.exit(f"graphguard serve exited with {process.returncode} before it served")
+            if time.perf_counter() - started > args.start_timeout:
+                sys.exit(f"graphguard serve was not healthy after {args.start_timeout} s")
+            time.sleep(0.1)
+        yield url, None, round(time.perf_counter() - started, 2)
     finally:
-        server.should_exit = True
-        thread.join(60)
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -156,14 +161,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--device", default="auto", help="for the in-process server")
-    parser.add_argument("--model-path", help="in-process server: a model folder or .gguf file")
-    parser.add_argument("--enforce-eager", action="store_true", help="in-process: no graphs")
+    parser.add_argument("--device", default="auto", help="for the local server")
+    parser.add_argument("--model-path", help="local server: a model folder or .gguf file")
+    parser.add_argument("--enforce-eager", action="store_true", help="local server: no graphs")
     parser.add_argument(
-        "--warmup-graphs", action="store_true", help="in-process: capture decode graphs at start"
+        "--warmup-graphs", action="store_true", help="local server: capture decode graphs at start"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="for the in-process server")
-    parser.add_argument("--max-model-len", type=int, default=512, help="in-process server")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="for the local server")
+    parser.add_argument("--max-model-len", type=int, default=512, help="local server")
+    parser.add_argument(
+        "--start-timeout", type=float, default=900, help="seconds to wait for the server"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_load.json"))
     return parser.parse_args(argv)
 
@@ -191,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "model": model,
         "summary": summary,
-        "engine_start_s": start_s,
+        "server_start_s": start_s,
         "graphs_enabled": graphs.get("enabled", True),
         "host": {
             "platform": platform.platform(),
@@ -203,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    print(json.dumps({"model": model, "engine_start_s": start_s, **summary}, indent=2))
+    print(json.dumps({"model": model, "server_start_s": start_s, **summary}, indent=2))
     print(f"wrote {args.out}")
     return 0
 
