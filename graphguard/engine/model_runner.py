@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from graphguard.engine.attention import AttentionMetadata
+from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.prefill_graphs import ImageSplice, eager_prefill, image_splice
@@ -77,6 +77,7 @@ class ModelRunner:
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
+            prefill_groups=plan_prefill_groups(query_lens, seq_lens, self.device),
         )
         ids_gpu = self._tensor(input_ids, torch.int64)
         splice = image_splice(seqs, self.device)

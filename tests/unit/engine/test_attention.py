@@ -1,4 +1,5 @@
-"""Paged attention: decode against a dense reference, width padding, cached-prefix prefill."""
+"""Paged attention: decode against a dense reference, width padding, cached-prefix prefill,
+grouped prefill of many sequences."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard.engine.attention import (
+    MAX_PAD_RATIO,
+    SMALL_GROUP_AREA,
     AttentionMetadata,
     paged_decode_attention,
     paged_prefill_attention,
+    plan_prefill_groups,
     write_kv,
 )
 
@@ -143,3 +147,64 @@ def test_prefill_is_causal() -> None:
     out = paged_prefill_attention(q, k, v, *cache, meta, SCALE)
     for t in (0, 4, 8):
         torch.testing.assert_close(out[t], dense_attention(q[t], k[: t + 1], v[: t + 1]))
+
+
+def test_prefill_groups_cover_every_sequence_once_within_the_pad_ratio() -> None:
+    lens = [10, 9, 10, 3, 300, 1, 137, 12, 12, 2, 250]
+    groups = plan_prefill_groups(lens, lens, "cpu")
+    assert groups is not None and len(groups) < len(lens)
+    rows: list[int] = []
+    for group in groups:
+        if group.gather is None:
+            rows += range(group.start, group.end)
+            continue
+        assert group.dest is not None and group.mask is not None
+        # The mask's allowed (query, key) pairs of real rows: each sequence's causal triangle.
+        area = group.num_seqs * group.length**2
+        seq_lens = group.mask[:, 0, -1, :].sum(dim=-1).tolist()  # the last query sees them all
+        real = sum(n * n for n in seq_lens)
+        assert area <= max(MAX_PAD_RATIO * real, SMALL_GROUP_AREA)
+        assert sum(seq_lens) == group.dest.numel()
+        rows += group.dest.tolist()
+    assert sorted(rows) == list(range(sum(lens)))
+
+
+def test_prefill_with_cached_tokens_is_not_grouped() -> None:
+    assert plan_prefill_groups([3, 4], [3, 9], "cpu") is None
+
+
+def grouped_meta(lens: list[int], grouped: bool) -> AttentionMetadata:
+    starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    return AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.int64),
+        block_tables=torch.zeros(len(lens), 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens_cpu=lens,
+        query_lens_cpu=lens,
+        prefill_groups=plan_prefill_groups(lens, lens, "cpu") if grouped else None,
+    )
+
+
+def test_grouped_prefill_equals_one_sequence_at_a_time() -> None:
+    # Short prompts share padded calls; 200 stays alone (padding 7 up to 200 is too costly).
+    lens = [7, 5, 6, 200, 1, 7, 3]
+    total = sum(lens)
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM)
+    cache = random_cache()
+    grouped_plan = grouped_meta(lens, grouped=True).prefill_groups
+    assert grouped_plan is not None
+    assert any(g.gather is not None for g in grouped_plan)
+    assert any(g.gather is None for g in grouped_plan)
+    grouped = paged_prefill_attention(q, k, v, *cache, grouped_meta(lens, True), SCALE)
+    alone = paged_prefill_attention(q, k, v, *cache, grouped_meta(lens, False), SCALE)
+    torch.testing.assert_close(grouped, alone)
+    start = 0
+    for n in lens:  # and each row is its own sequence's causal attention
+        last = start + n - 1
+        expected = dense_attention(q[last], k[start : last + 1], v[start : last + 1])
+        torch.testing.assert_close(grouped[last], expected)
+        start += n
