@@ -93,6 +93,7 @@ class EngineConfig:
     graph_backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
     graph_manifest: str | None = None  # prewarm the decode graphs of this manifest at start
     warmup_graphs: bool = False  # capture every decode (batch, width) key at start, in budget
+    prefill_graphs: bool = True  # segmented prefill graphs next to decode graphs
 
     def __post_init__(self) -> None:
         if self.graph_backend not in ("auto", "cuda", "sim"):

@@ -192,6 +192,9 @@ def install_prefill_graphs(engine: LLMEngine, admission: AdmissionConfig | None 
     backend = engine.config.graph_backend
     if engine.graphs is None:  # the decode graphs' capability proof failed (or eager forced)
         return False
+    if not engine.config.prefill_graphs:
+        log.info("graphguard prefill graphs off: prefill_graphs=False")
+        return False
     metrics = engine.graphs.metrics  # one registry for the decode and prefill graphs
     graphs = PrefillGraphs(engine, backend=backend, admission=admission, metrics=metrics)
     engine.prefill_graphs = graphs

@@ -170,6 +170,14 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "--max-num-seqs, block-table widths up to --max-model-len) before serving, largest "
         "first within --max-graph-bytes; without it graphs are captured as traffic earns them",
     )
+    group.add_argument(
+        "--no-prefill-graphs",
+        dest="prefill_graphs",
+        action="store_false",
+        default=_ENGINE.prefill_graphs,
+        help="prefill eagerly while decode uses graphs: no segmented prefill captures inside "
+        "engine steps (each one delays the requests of that step)",
+    )
     buckets = ",".join(str(b) for b in _ENGINE.batch_buckets)
     group.add_argument(
         "--batch-buckets",
@@ -224,6 +232,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         seed=args.seed,
         graph_manifest=args.graph_manifest,
         warmup_graphs=args.warmup_graphs,
+        prefill_graphs=args.prefill_graphs,
     )
     return ServerConfig(
         host=args.host,

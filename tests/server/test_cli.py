@@ -44,6 +44,9 @@ def test_flags_reach_the_engine_config() -> None:
     assert engine.warmup_graphs is False
     warm = config_from_args(build_parser().parse_args(["--warmup-graphs"])).engine
     assert warm.warmup_graphs is True
+    assert engine.prefill_graphs is True
+    no_prefill = config_from_args(build_parser().parse_args(["--no-prefill-graphs"])).engine
+    assert no_prefill.prefill_graphs is False
 
 
 def test_unsorted_batch_buckets_are_refused() -> None:

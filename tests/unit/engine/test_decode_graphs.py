@@ -156,6 +156,22 @@ def test_padded_rows_write_only_the_dummy_block(embedded_model):
         engine.shutdown()
 
 
+def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim", prefill_graphs=False)
+    try:
+        assert isinstance(engine.graphs, DecodeGraphs) and engine.prefill_graphs is None
+        assert engine.runner.prefill_fn == engine.runner.eager_prefill
+        generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+        assert engine.graphs.stats()["replays"] > 0
+    finally:
+        engine.shutdown()
+    default = make_engine(embedded_model, graph_backend="sim")
+    try:
+        assert default.prefill_graphs is not None
+    finally:
+        default.shutdown()
+
+
 def test_shutdown_releases_graphs(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim")
     generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
