@@ -207,7 +207,12 @@ class LLMEngine:
             seqs = batch.seqs
             try:
                 logits = self.runner.run(batch)
-                token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                token_ids = sample(
+                    logits,
+                    [s.params for s in seqs],
+                    [s.generator for s in seqs],
+                    [s.output_token_ids for s in seqs],
+                )
             except BaseException:
                 # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
                 # go back) and keep every output owed for the next step, then re-raise.

@@ -1,4 +1,5 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds)."""
+"""Sampling parameters and the batched sampler (penalties, greedy, temperature, top-k, top-p,
+seeds)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import Tensor
 
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in the OpenAI API
 
 
 @dataclass(frozen=True)
@@ -18,7 +20,10 @@ class SamplingParams:
     """How one request picks its tokens and when it stops.
 
     ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off;
-    ``seed`` makes a request's draws reproducible whatever else shares its batch.
+    ``seed`` makes a request's draws reproducible whatever else shares its batch. Penalties
+    follow the OpenAI API: before any other step, each token's logit is lowered by
+    ``frequency_penalty`` times the number of times the request has generated it, and by
+    ``presence_penalty`` once if it has generated it at all (greedy rows included).
     """
 
     max_tokens: int = 16
@@ -28,10 +33,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot be honoured."""
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -43,12 +50,22 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                    f"got {getattr(self, name)!r}"
+                )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def is_greedy(self) -> bool:
@@ -68,11 +85,18 @@ def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    output_token_ids: Sequence[Sequence[int]] | None = None,
 ) -> list[int]:
-    """Pick one token per row. logits: [num_rows, vocab] float32, real rows only."""
+    """Pick one token per row. logits: [num_rows, vocab] float32, real rows only;
+    `output_token_ids`: each row's generated tokens so far (needed by penalties)."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("sample() needs exactly one params and one generator per logits row")
     logits = logits.float()
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalized:
+        if output_token_ids is None or len(output_token_ids) != len(params):
+            raise ValueError("penalties need each row's output_token_ids")
+        logits = _apply_penalties(logits, penalized, params, output_token_ids)
     token_ids = torch.argmax(logits, dim=-1)  # [num_rows]; the answer for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
@@ -109,3 +133,22 @@ def _sample_random_rows(
     probs = probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
     picks = [torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(len(params))]
     return sorted_ids.gather(1, torch.stack(picks)).squeeze(1)
+
+
+def _apply_penalties(
+    logits: Tensor,
+    rows: list[int],
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+) -> Tensor:
+    """Lower the logits of tokens each penalized row has generated (a copy; only those rows)."""
+    logits = logits.clone()
+    vocab_size = logits.shape[1]
+    for i in rows:
+        if not output_token_ids[i]:
+            continue
+        ids = torch.tensor(output_token_ids[i], device=logits.device)
+        counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].to(logits.dtype)
+        penalty = params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0)
+        logits[i] -= penalty
+    return logits

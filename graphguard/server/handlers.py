@@ -173,6 +173,8 @@ def sampling_params(
         seed=body.seed,
         stop=body.stop_sequences,
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
     )
     try:
         params.validate()

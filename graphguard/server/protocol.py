@@ -2,17 +2,39 @@
 
 Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
 infinities are refused at parse time, sampling values are range-checked, and `n` must be 1.
-Unknown fields are ignored, as OpenAI clients send optional extras freely.
+OpenAI fields this server does not implement (logprobs, tools, logit_bias, response_format...)
+are accepted at their "off" values, which clients often send, and refused with a 400 otherwise,
+so no answer silently lacks what was asked for. Other unknown fields are ignored.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
+
+# Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+
+
+def _asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
+    # NOTE: compare types too: 0 == False in Python, but logprobs=0 asks for logprobs.
+    return value is None or any(type(value) is type(off) and value == off for off in off_values)
 
 
 class _Body(BaseModel):
@@ -35,8 +57,22 @@ class _GenerationRequest(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
     ignore_eos: bool = False
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+
+    @field_validator(*UNSUPPORTED_FIELDS, check_fields=False)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name or ""
+        if not _asks_for_nothing(value, UNSUPPORTED_FIELDS[name]):
+            raise ValueError(f"{name} is not supported by this server")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -71,6 +107,9 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is text, a one-element list of text, or token ids."""
 
     prompt: str | list[str] | list[int]
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -131,6 +170,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:

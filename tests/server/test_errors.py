@@ -86,6 +86,37 @@ BAD_REQUESTS = [
         400,
         "messages.0.role",
     ),
+    ("presence_penalty_above_2", CHAT, _chat(presence_penalty=2.5), 400, "presence_penalty"),
+    (
+        "frequency_penalty_below_-2",
+        COMPLETIONS,
+        _completion(frequency_penalty=-3),
+        400,
+        "frequency_penalty",
+    ),  # fmt: skip
+    # Unimplemented OpenAI features are refused rather than silently missing from the answer.
+    ("chat_logprobs", CHAT, _chat(logprobs=True, top_logprobs=2), 400, "logprobs"),
+    ("completion_logprobs_zero", COMPLETIONS, _completion(logprobs=0), 400, "logprobs"),
+    ("top_logprobs", CHAT, _chat(top_logprobs=3), 400, "top_logprobs"),
+    ("logit_bias", COMPLETIONS, _completion(logit_bias={"42": 5}), 400, "logit_bias"),
+    (
+        "tools",
+        CHAT,
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+    ),  # fmt: skip
+    ("tool_choice", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    (
+        "json_mode",
+        CHAT,
+        _chat(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+    ),  # fmt: skip
+    ("echo", COMPLETIONS, _completion(echo=True), 400, "echo"),
+    ("suffix", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
+    ("best_of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
 ]
 
 
@@ -137,3 +168,21 @@ def test_openai_client_sees_bad_request_as_its_error_type(server: RunningServer)
         server.openai().chat.completions.create(model=MODEL, messages=[], max_tokens=2)
     assert raised.value.status_code == 400
     assert _good_request_succeeds(server)
+
+
+# The "off" values of the unimplemented fields, as clients and SDKs send them by default.
+ASKS_FOR_NOTHING = [
+    (CHAT, _chat(max_tokens=1, logprobs=False, top_logprobs=0, logit_bias={}, tools=[],
+                 tool_choice="none", response_format={"type": "text"}, presence_penalty=0,
+                 frequency_penalty=0, user="someone")),
+    (COMPLETIONS, _completion(max_tokens=1, logprobs=None, echo=False, suffix="", best_of=1)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("endpoint", "body"), ASKS_FOR_NOTHING, ids=["chat", "completions"])
+def test_unimplemented_fields_at_their_off_values_are_accepted(
+    server: RunningServer, endpoint: str, body: str
+) -> None:
+    response = _post(server, endpoint, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1

@@ -106,6 +106,16 @@ def test_same_seed_samples_the_same_text(client: OpenAI) -> None:
     assert draw() == draw()
 
 
+def test_frequency_and_presence_penalties_curb_repetition(client: OpenAI) -> None:
+    prompt = "The colors of the rainbow are red, red, red, red, red,"
+    kwargs = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 16}
+    plain = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    assert plain.count("red") >= 6  # greedy decoding keeps repeating the pattern
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        reply = client.completions.create(**kwargs, **penalty)  # type: ignore[call-overload]
+        assert reply.choices[0].text.count("red") <= 2, (penalty, reply.choices[0].text)
+
+
 def test_sse_stream_is_json_events_ending_in_done(server: RunningServer) -> None:
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "stream": True}
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30)
