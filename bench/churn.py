@@ -15,7 +15,9 @@ import argparse
 import os
 import random
 import sys
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,7 +58,7 @@ def graph_bytes(step: DecoderStep, batch: int, device) -> int:
 
 def run_mode(mode: str, step: DecoderStep, calls: list[tuple], budget: int) -> dict:
     if mode == "eager":
-        lat = latencies_ms([lambda a=a: step(*a) for a in calls])
+        lat = latencies_ms([partial(step, *a) for a in calls])
         return dict(p50=percentile(lat, 50), p99=percentile(lat, 99))
     admission = NAIVE if mode == "naive" else gg.AdmissionConfig()
     runner = gg.GraphRunner(
@@ -66,7 +68,7 @@ def run_mode(mode: str, step: DecoderStep, calls: list[tuple], budget: int) -> d
         verify="off" if mode == "naive" else "exact",
         copy_outputs=False,
     )
-    lat = latencies_ms([lambda a=a: runner(*a) for a in calls])
+    lat = latencies_ms([partial(runner, *a) for a in calls])
     stats = runner.stats()
     runner.close()
     return dict(
@@ -88,7 +90,7 @@ def main() -> None:
     step = DecoderStep(
         SHAPES[args.shape], max_batch=32, context=512, dtype=torch.bfloat16, device=device
     )
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, (batches, holds) in workloads(args.scale).items():
         budget = holds * graph_bytes(step, max(batches), device)
         calls = [
