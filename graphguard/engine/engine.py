@@ -20,7 +20,13 @@ from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner
 from graphguard.engine.prefill_graphs import PrefillGraphs, install_prefill_graphs
-from graphguard.engine.sampling import SamplingParams, make_generator, sample
+from graphguard.engine.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    sample,
+    token_logprobs,
+)
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
@@ -41,6 +47,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_output_tokens: int
+    # One per new token when the request asked for logprobs, else None.
+    logprobs: list[TokenLogprob] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -213,6 +221,7 @@ class LLMEngine:
                     [s.generator for s in seqs],
                     [s.output_token_ids for s in seqs],
                 )
+                logprobs = token_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
             except BaseException:
                 # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
                 # go back) and keep every output owed for the next step, then re-raise.
@@ -221,18 +230,21 @@ class LLMEngine:
                     self.abort_request(seq.request_id)
                 raise
             outputs += [
-                self._append(seq, token_id) for seq, token_id in zip(seqs, token_ids, strict=True)
+                self._append(seq, token_id, logprob)
+                for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True)
             ]
             self._num_steps += 1
             self._num_generated_tokens += len(seqs)
             return outputs
 
-    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _append(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         seq.append_token(token_id)
         reason = self._finish_reason(seq, token_id)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        output = self._output(seq, [token_id])
+        output = self._output(seq, [token_id], None if logprob is None else [logprob])
         if reason is not None:
             self._forget(seq.request_id)
         return output
@@ -252,7 +264,12 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_token_ids: list[int]) -> RequestOutput:
+    def _output(
+        self,
+        seq: Sequence,
+        new_token_ids: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
         detokenizer = self._detokenizers[seq.request_id]
         delta_text = detokenizer.take_delta(is_final=seq.is_finished)
         return RequestOutput(
@@ -264,6 +281,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            logprobs=logprobs,
         )
 
     def has_unfinished_requests(self) -> bool:

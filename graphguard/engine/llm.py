@@ -10,7 +10,7 @@ from tqdm import tqdm
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -21,6 +21,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     num_prompt_tokens: int
+    logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs
 
 
 class LLM:
@@ -77,16 +78,20 @@ class LLM:
         self, results: dict[str, CompletionOutput], num_requests: int, use_tqdm: bool
     ) -> None:
         token_ids: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         with tqdm(total=num_requests, desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(results) < num_requests and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     token_ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.logprobs is not None:
+                        logprobs.setdefault(out.request_id, []).extend(out.logprobs)
                     if out.finished:
                         results[out.request_id] = CompletionOutput(
                             text=out.text,
                             token_ids=token_ids.pop(out.request_id),
                             finish_reason=out.finish_reason,
                             num_prompt_tokens=out.num_prompt_tokens,
+                            logprobs=logprobs.pop(out.request_id, None),
                         )
                         bar.update(1)
 

@@ -13,6 +13,7 @@ from torch import Tensor
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in the OpenAI API
+MAX_LOGPROBS = 20  # alternatives per token, the OpenAI chat limit
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class SamplingParams:
     follow the OpenAI API: before any other step, each token's logit is lowered by
     ``frequency_penalty`` times the number of times the request has generated it, and by
     ``presence_penalty`` once if it has generated it at all (greedy rows included).
+    ``logprobs`` asks for each generated token's log probability and its ``logprobs`` most
+    likely alternatives, from the model's distribution (before penalties and temperature).
     """
 
     max_tokens: int = 16
@@ -35,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token and the k most likely
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot be honoured."""
@@ -58,6 +62,12 @@ class SamplingParams:
                 )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
@@ -72,6 +82,38 @@ class SamplingParams:
         # Below this, logits / temperature overflows float32 into inf and softmax into NaN;
         # the distribution is a point mass on the argmax anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the most likely alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: Tensor, token_ids: Sequence[int], num_top: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Log probabilities of the chosen tokens under log_softmax(logits), one per row, with
+    num_top[i] alternatives; None for rows whose num_top is None. One device-to-host copy."""
+    rows = [i for i, k in enumerate(num_top) if k is not None]
+    result: list[TokenLogprob | None] = [None] * len(num_top)
+    if not rows:
+        return result
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen_ids = torch.tensor([token_ids[i] for i in rows], device=logits.device)
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1)).squeeze(1)
+    k = max(num_top[i] or 0 for i in rows)
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0],) * 2
+    chosen_cpu, values_cpu, ids_cpu = (t.tolist() for t in (chosen, top_values, top_ids))
+    for j, i in enumerate(rows):
+        n = num_top[i] or 0
+        top = tuple(zip(ids_cpu[j][:n], values_cpu[j][:n], strict=True))
+        result[i] = TokenLogprob(token_ids[i], chosen_cpu[j], top)
+    return result
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from graphguard.engine.engine import RequestOutput
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.sampling import SamplingParams, TokenLogprob
 from graphguard.engine.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import AsyncEngine, EngineClosedError, RequestStream
@@ -54,53 +54,120 @@ class ServingContext:
 class CompletionFormat:
     """Shapes outputs as /v1/completions objects."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.tokenizer = tokenizer
+        self.with_logprobs = with_logprobs
+        self._text_offset = 0  # where the next token's text starts in the completion
 
     def opening(self) -> list[BaseModel]:
         return []
 
-    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
-        choice = p.CompletionChoice(text=delta, finish_reason=finish_reason)
+    def chunk(
+        self, delta: str, finish_reason: str | None, logprobs: list[TokenLogprob]
+    ) -> BaseModel:
+        choice = p.CompletionChoice(
+            text=delta, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
+        )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
-    def response(self, output: RequestOutput, usage: p.Usage) -> BaseModel:
-        choice = p.CompletionChoice(text=output.text, finish_reason=output.finish_reason)
+    def response(
+        self, output: RequestOutput, usage: p.Usage, logprobs: list[TokenLogprob]
+    ) -> BaseModel:
+        choice = p.CompletionChoice(
+            text=output.text,
+            finish_reason=output.finish_reason,
+            logprobs=self._logprobs(logprobs),
+        )
         return p.CompletionResponse(
             id=self.request_id, model=self.model, choices=[choice], usage=usage
+        )
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> p.CompletionLogprobs | None:
+        if not self.with_logprobs:
+            return None
+        tokens = [token_text(self.tokenizer, lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return p.CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[
+                {token_text(self.tokenizer, i): value for i, value in lp.top} for lp in logprobs
+            ],
+            text_offset=offsets,
         )
 
 
 class ChatFormat:
     """Shapes outputs as /v1/chat/completions objects."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False) -> None:
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
+        self.tokenizer = tokenizer
+        self.with_logprobs = with_logprobs
 
     def opening(self) -> list[BaseModel]:
-        return [self._chunk(p.ChatDelta(role="assistant", content=""), None)]
+        return [self._chunk(p.ChatDelta(role="assistant", content=""), None, [])]
 
-    def chunk(self, delta: str, finish_reason: str | None) -> BaseModel:
-        return self._chunk(p.ChatDelta(content=delta or None), finish_reason)
+    def chunk(
+        self, delta: str, finish_reason: str | None, logprobs: list[TokenLogprob]
+    ) -> BaseModel:
+        return self._chunk(p.ChatDelta(content=delta or None), finish_reason, logprobs)
 
     def usage_chunk(self, usage: p.Usage) -> BaseModel:
         return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
 
-    def response(self, output: RequestOutput, usage: p.Usage) -> BaseModel:
+    def response(
+        self, output: RequestOutput, usage: p.Usage, logprobs: list[TokenLogprob]
+    ) -> BaseModel:
         message = p.AssistantMessage(content=output.text)
-        choice = p.ChatChoice(message=message, finish_reason=output.finish_reason)
+        choice = p.ChatChoice(
+            message=message, finish_reason=output.finish_reason, logprobs=self._logprobs(logprobs)
+        )
         return p.ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=[choice], usage=usage
         )
 
-    def _chunk(self, delta: p.ChatDelta, finish_reason: str | None) -> p.ChatCompletionChunk:
-        choice = p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+    def _chunk(
+        self, delta: p.ChatDelta, finish_reason: str | None, logprobs: list[TokenLogprob]
+    ) -> p.ChatCompletionChunk:
+        choice = p.ChatChunkChoice(
+            delta=delta,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(logprobs) if logprobs else None,
+        )
         return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> p.ChatLogprobs | None:
+        if not self.with_logprobs:
+            return None
+        return p.ChatLogprobs(
+            content=[
+                p.ChatTokenLogprob(
+                    **_top_logprob(self.tokenizer, lp.token_id, lp.logprob).model_dump(),
+                    top_logprobs=[_top_logprob(self.tokenizer, i, v) for i, v in lp.top],
+                )
+                for lp in logprobs
+            ]
+        )
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    """One token's text as the tokenizer decodes it alone (special tokens included)."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> p.TopLogprob:
+    token = token_text(tokenizer, token_id)
+    return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
 
 
 OutputFormat = CompletionFormat | ChatFormat
@@ -116,7 +183,7 @@ async def create_completion(
     room = ctx.max_model_len - len(prompt_ids)
     max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
-    fmt = CompletionFormat(ctx.model_name)
+    fmt = CompletionFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
 
 
@@ -129,7 +196,7 @@ async def create_chat_completion(
     prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
     max_tokens = body.requested_max_tokens
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
-    fmt = ChatFormat(ctx.model_name)
+    fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace, images)
 
 
@@ -175,6 +242,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        logprobs=body.logprobs if isinstance(body, p.CompletionRequest) else body.num_logprobs,
     )
     try:
         params.validate()
@@ -205,22 +273,25 @@ async def _generate(
         events = _sse_events(ctx, stream, fmt, trace, body.include_usage)
         headers = {"Cache-Control": "no-cache", "X-Request-Id": fmt.request_id}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    output = await _collect(ctx, http_request, stream, trace)
-    return JSONResponse(fmt.response(output, _usage(trace)).model_dump())
+    output, logprobs = await _collect(ctx, http_request, stream, trace)
+    return JSONResponse(fmt.response(output, _usage(trace), logprobs).model_dump())
 
 
 async def _collect(
     ctx: ServingContext, http_request: Request, stream: RequestStream, trace: RequestTrace
-) -> RequestOutput:
-    """Wait for the final output, aborting the request if the client hangs up first."""
+) -> tuple[RequestOutput, list[TokenLogprob]]:
+    """Wait for the final output (and gather every token's logprobs, if asked for), aborting
+    the request if the client hangs up first."""
     watcher = asyncio.create_task(_abort_on_disconnect(ctx, http_request, stream.request_id))
     output: RequestOutput | None = None
+    logprobs: list[TokenLogprob] = []
     try:
         async for output in stream:
             trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
+            logprobs += output.logprobs or []
         if output is None:  # a stream always ends with a finished output; never seen
             raise APIError(500, "The engine ended the request without output.")
-        return output
+        return output, logprobs
     finally:
         watcher.cancel()
         if not stream.is_finished:
@@ -245,11 +316,14 @@ async def _sse_events(
     try:
         for chunk in fmt.opening():
             yield _sse(chunk)
+        pending: list[TokenLogprob] = []  # tokens whose text is held back (stop strings)
         async for output in stream:
             trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
+            pending += output.logprobs or []
             if output.delta_text or output.finished:
                 finish_reason = output.finish_reason if output.finished else None
-                yield _sse(fmt.chunk(output.delta_text, finish_reason))
+                yield _sse(fmt.chunk(output.delta_text, finish_reason, pending))
+                pending = []
         if include_usage:
             yield _sse(fmt.usage_chunk(_usage(trace)))
     except Exception as exc:  # the engine failed mid-stream: say so in-band, then end

@@ -2,7 +2,7 @@
 
 Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
 infinities are refused at parse time, sampling values are range-checked, and `n` must be 1.
-OpenAI fields this server does not implement (logprobs, tools, logit_bias, response_format...)
+OpenAI fields this server does not implement (tools, logit_bias, response_format...)
 are accepted at their "off" values, which clients often send, and refused with a 400 otherwise,
 so no answer silently lacks what was asked for. Other unknown fields are ignored.
 """
@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
+MAX_CHAT_TOP_LOGPROBS = 20  # the OpenAI limits
+MAX_COMPLETION_LOGPROBS = 5
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -33,7 +33,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 
 
 def _asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
-    # NOTE: compare types too: 0 == False in Python, but logprobs=0 asks for logprobs.
+    # NOTE: compare types too: in Python 0 == False and 1 == True (best_of=True is not 1).
     return value is None or any(type(value) is type(off) and value == off for off in off_values)
 
 
@@ -61,8 +61,6 @@ class _GenerationRequest(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
     ignore_eos: bool = False
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     response_format: Any = None
 
@@ -107,6 +105,8 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is text, a one-element list of text, or token ids."""
 
     prompt: str | list[str] | list[int]
+    # The chosen token's log probability and this many alternatives per generated token.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -175,6 +175,21 @@ class ChatCompletionRequest(_GenerationRequest):
     functions: Any = None
     function_call: Any = None
 
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token for the engine; None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -193,10 +208,31 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -219,7 +255,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -240,7 +276,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -94,10 +94,10 @@ BAD_REQUESTS = [
         400,
         "frequency_penalty",
     ),  # fmt: skip
+    ("top_logprobs_without_logprobs", CHAT, _chat(top_logprobs=3), 400, "top_logprobs"),
+    ("top_logprobs_above_20", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("completion_logprobs_above_5", COMPLETIONS, _completion(logprobs=6), 400, "logprobs"),
     # Unimplemented OpenAI features are refused rather than silently missing from the answer.
-    ("chat_logprobs", CHAT, _chat(logprobs=True, top_logprobs=2), 400, "logprobs"),
-    ("completion_logprobs_zero", COMPLETIONS, _completion(logprobs=0), 400, "logprobs"),
-    ("top_logprobs", CHAT, _chat(top_logprobs=3), 400, "top_logprobs"),
     ("logit_bias", COMPLETIONS, _completion(logit_bias={"42": 5}), 400, "logit_bias"),
     (
         "tools",

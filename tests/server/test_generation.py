@@ -137,3 +137,49 @@ def test_chat_without_max_tokens_fits_a_kv_pool_smaller_than_the_context(
         model=MODEL, messages=CAPITAL_QUESTION, temperature=0, stop=["."]
     )
     assert "Paris" in (reply.choices[0].message.content or "")
+
+
+def test_chat_logprobs_describe_each_generated_token(client: OpenAI) -> None:
+    kwargs = {"model": MODEL, "messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 8}
+    reply = client.chat.completions.create(logprobs=True, top_logprobs=3, **kwargs)  # type: ignore[call-overload]
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    tokens = choice.logprobs.content
+    assert reply.usage is not None and len(tokens) == reply.usage.completion_tokens
+    # The end-of-sequence token is listed too (it counts in usage), as its special text.
+    content = choice.message.content or ""
+    assert "".join(t.token for t in tokens) in (content, content + "<|im_end|>")
+    for token in tokens:
+        assert token.logprob <= 0.0 and len(token.top_logprobs) == 3
+        alternatives = [t.logprob for t in token.top_logprobs]
+        assert alternatives == sorted(alternatives, reverse=True)
+        # Greedy picks the most likely token: it is the first alternative, same logprob.
+        assert token.top_logprobs[0].token == token.token
+        assert abs(token.top_logprobs[0].logprob - token.logprob) < 1e-6
+        assert token.bytes == list(token.token.encode())
+    plain = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == choice.message.content
+
+    stream = client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **kwargs)  # type: ignore[call-overload]
+    streamed = [
+        t for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+        for t in chunk.choices[0].logprobs.content or []
+    ]  # fmt: skip
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in tokens]
+
+
+def test_completion_logprobs_line_up_with_the_text(client: OpenAI) -> None:
+    reply = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5, logprobs=2
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs is not None
+    lp = choice.logprobs
+    assert lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == 5
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and max(top, key=top.__getitem__) == token
+        assert abs(top[token] - logprob) < 1e-6

@@ -49,6 +49,16 @@ def test_generate_returns_results_in_prompt_order(llm: LLM) -> None:
     assert [r.text for r in results] == [" 5, 6", " Paris"]
 
 
+def test_logprobs_follow_each_token_and_only_when_asked(llm: LLM) -> None:
+    prompts = ["1, 2, 3, 4,", "The capital of France is"]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), SamplingParams()]
+    with_logprobs, without = llm.generate(prompts, params, use_tqdm=False)
+    assert without.logprobs is None and with_logprobs.logprobs is not None
+    assert [lp.token_id for lp in with_logprobs.logprobs] == with_logprobs.token_ids
+    for lp in with_logprobs.logprobs:  # greedy: each chosen token is the most likely one
+        assert lp.top[0][0] == lp.token_id and lp.logprob <= 0.0
+
+
 def test_generate_shows_progress_over_requests(
     llm: LLM, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from graphguard.engine.sampling import SamplingParams, make_generator, sample
+from graphguard.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
 
 VOCAB_SIZE = 64
 CPU = torch.device("cpu")
@@ -91,6 +91,8 @@ def test_greedy_rows_leave_the_random_rows_draws_unchanged() -> None:
         (SamplingParams(top_k=-1), "top_k"),
         (SamplingParams(stop=("",)), "stop"),
         (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(logprobs=-1), "logprobs"),
         (SamplingParams(frequency_penalty=-2.01), "frequency_penalty"),
         (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
     ],
@@ -146,3 +148,16 @@ def test_penalties_without_the_generated_tokens_are_refused() -> None:
     logits = torch.tensor([[0.0, 5.0]])
     with pytest.raises(ValueError, match="output_token_ids"):
         sample(logits, [greedy(presence_penalty=1.0)], [None])
+
+
+def test_token_logprobs_are_log_softmax_of_the_chosen_token_with_the_best_alternatives() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, 0.0, 4.0, 1.0], [9.0, 0.0, 0.0, 0.0]])
+    result = token_logprobs(logits, [2, 2, 0], [2, 0, None])
+    expected = torch.log_softmax(logits, dim=-1)
+    first, second, third = result
+    assert first is not None and second is not None and third is None
+    assert first.token_id == 2 and math.isclose(first.logprob, expected[0, 2].item(), rel_tol=1e-6)
+    assert [i for i, _ in first.top] == [1, 2]  # best first
+    assert math.isclose(first.top[0][1], expected[0, 1].item(), rel_tol=1e-6)
+    assert second.top == () and math.isclose(second.logprob, expected[1, 2].item(), rel_tol=1e-6)
+    assert token_logprobs(logits, [0, 0, 0], [None, None, None]) == [None, None, None]
