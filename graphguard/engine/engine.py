@@ -49,6 +49,8 @@ class RequestOutput:
     num_output_tokens: int
     # One per new token when the request asked for logprobs, else None.
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token (None for the first), in the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -282,7 +284,15 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(seq),
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        if seq.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        seq.prompt_logprobs_sent = True
+        return seq.prompt_logprobs
 
     def has_unfinished_requests(self) -> bool:
         with self.lifecycle_lock:

@@ -22,6 +22,8 @@ class CompletionOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     logprobs: list[TokenLogprob] | None = None  # one per token, when SamplingParams.logprobs
+    # One per prompt token (None for the first), when SamplingParams.prompt_logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -79,12 +81,15 @@ class LLM:
     ) -> None:
         token_ids: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
+        prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         with tqdm(total=num_requests, desc="generate", unit="req", disable=not use_tqdm) as bar:
             while len(results) < num_requests and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     token_ids.setdefault(out.request_id, []).extend(out.new_token_ids)
                     if out.logprobs is not None:
                         logprobs.setdefault(out.request_id, []).extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         results[out.request_id] = CompletionOutput(
                             text=out.text,
@@ -92,6 +97,7 @@ class LLM:
                             finish_reason=out.finish_reason,
                             num_prompt_tokens=out.num_prompt_tokens,
                             logprobs=logprobs.pop(out.request_id, None),
+                            prompt_logprobs=prompt_logprobs.pop(out.request_id, None),
                         )
                         bar.update(1)
 

@@ -18,6 +18,7 @@ from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.prefill_graphs import ImageSplice, eager_prefill, image_splice
+from graphguard.engine.sampling import TokenLogprob, token_logprobs
 from graphguard.engine.scheduler import ScheduledBatch
 from graphguard.engine.sequence import Sequence
 
@@ -26,6 +27,10 @@ from graphguard.engine.sequence import Sequence
 DecodeFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 # prefill_fn(input_ids_gpu[T], positions_gpu[T], meta, image splice or None) -> hidden[T, hidden]
 PrefillFn = Callable[[Tensor, Tensor, AttentionMetadata, ImageSplice | None], Tensor]
+
+
+# Rows of prompt logits computed at once for prompt logprobs (bounds rows x vocab floats).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 def width_bucket(num_blocks: int) -> int:
@@ -82,8 +87,27 @@ class ModelRunner:
         ids_gpu = self._tensor(input_ids, torch.int64)
         splice = image_splice(seqs, self.device)
         hidden = self.prefill_fn(ids_gpu, self._tensor(positions, torch.int64), meta, splice)
+        for seq, start in zip(seqs, query_start_loc, strict=False):
+            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
+                # NOTE: the first prefill of a request covers its whole prompt (nothing cached).
+                seq.prompt_logprobs = self._prompt_logprobs(seq, hidden, start)
         last_rows = self._tensor([end - 1 for end in query_start_loc[1:]], torch.int64)
         return self.model.compute_logits(hidden.index_select(0, last_rows)).float()
+
+    def _prompt_logprobs(
+        self, seq: Sequence, hidden: Tensor, start: int
+    ) -> list[TokenLogprob | None]:
+        """Each prompt token's logprob given the tokens before it, from the prefill's hidden
+        states (row start + i predicts prompt token i + 1); logits in chunks of rows."""
+        ids = seq.prompt_token_ids
+        k = seq.params.prompt_logprobs
+        result: list[TokenLogprob | None] = [None]
+        for first in range(0, len(ids) - 1, PROMPT_LOGPROBS_CHUNK):
+            targets = ids[first + 1 : first + 1 + PROMPT_LOGPROBS_CHUNK]
+            rows = hidden[start + first : start + first + len(targets)]
+            logits = self.model.compute_logits(rows).float()
+            result += token_logprobs(logits, targets, [k] * len(targets))
+        return result
 
     def decode(self, seqs: list[Sequence]) -> Tensor:
         """One query token per sequence through ``decode_fn``; logits of the real rows."""

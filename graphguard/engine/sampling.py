@@ -26,7 +26,9 @@ class SamplingParams:
     ``frequency_penalty`` times the number of times the request has generated it, and by
     ``presence_penalty`` once if it has generated it at all (greedy rows included).
     ``logprobs`` asks for each generated token's log probability and its ``logprobs`` most
-    likely alternatives, from the model's distribution (before penalties and temperature).
+    likely alternatives, from the model's distribution (before penalties and temperature);
+    ``prompt_logprobs`` the same for each prompt token after the first (the prefill computes
+    them, and the request's first output carries them).
     """
 
     max_tokens: int = 16
@@ -39,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k >= 0: the chosen token and the k most likely
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot be honoured."""
@@ -62,12 +65,12 @@ class SamplingParams:
                 )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.sampling import SamplingParams, TokenLogprob
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -47,6 +47,10 @@ class Sequence:
         # of the prompt tokens at image_positions during prefill (graphguard.engine.vision).
         self.image_embeds: torch.Tensor | None = None
         self.image_positions: list[int] = []
+        # params.prompt_logprobs: one entry per prompt token (None for the first), written by
+        # the first prefill; handed out once, with the request's first output.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_logprobs_sent = False
 
     @property
     def token_ids(self) -> list[int]:

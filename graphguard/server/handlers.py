@@ -11,7 +11,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,24 +51,46 @@ class ServingContext:
             raise APIError(404, message, param="model", code="model_not_found")
 
 
-class CompletionFormat:
-    """Shapes outputs as /v1/completions objects."""
+# A token of a completions logprobs list: id, logprob and alternatives (None for the first
+# token of an echoed prompt, which has no context).
+_Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None]
 
-    def __init__(self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False) -> None:
+
+class CompletionFormat:
+    """Shapes outputs as /v1/completions objects; with `echo_text`, the prompt comes first
+    (in the first streamed chunk) and, with logprobs, its tokens' entries too."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        with_logprobs: bool = False,
+        echo_text: str | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self.model = model
         self.tokenizer = tokenizer
         self.with_logprobs = with_logprobs
-        self._text_offset = 0  # where the next token's text starts in the completion
+        self._echo_text = echo_text
+        self._prompt_ids = prompt_ids or []
+        self._text_offset = 0  # where the next token's text starts in the returned text
 
     def opening(self) -> list[BaseModel]:
         return []
 
     def chunk(
-        self, delta: str, finish_reason: str | None, logprobs: list[TokenLogprob]
+        self,
+        delta: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> BaseModel:
+        echo, entries = self._take_echo(prompt_logprobs)
         choice = p.CompletionChoice(
-            text=delta, finish_reason=finish_reason, logprobs=self._logprobs(logprobs)
+            text=echo + delta,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(entries + _entries(logprobs)),
         )
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
 
@@ -76,33 +98,57 @@ class CompletionFormat:
         return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(
-        self, output: RequestOutput, usage: p.Usage, logprobs: list[TokenLogprob]
+        self,
+        output: RequestOutput,
+        usage: p.Usage,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> BaseModel:
+        echo, entries = self._take_echo(prompt_logprobs)
         choice = p.CompletionChoice(
-            text=output.text,
+            text=echo + output.text,
             finish_reason=output.finish_reason,
-            logprobs=self._logprobs(logprobs),
+            logprobs=self._logprobs(entries + _entries(logprobs)),
         )
         return p.CompletionResponse(
             id=self.request_id, model=self.model, choices=[choice], usage=usage
         )
 
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> p.CompletionLogprobs | None:
+    def _take_echo(
+        self, prompt_logprobs: list[TokenLogprob | None] | None
+    ) -> tuple[str, list[_Entry]]:
+        """The echoed prompt and its entries, once (the first chunk); then nothing."""
+        if self._echo_text is None:
+            return "", []
+        text, self._echo_text = self._echo_text, None
+        lps = prompt_logprobs or [None] * len(self._prompt_ids)
+        entries: list[_Entry] = [
+            (i, None, None) if lp is None else (i, lp.logprob, lp.top)
+            for i, lp in zip(self._prompt_ids, lps, strict=True)
+        ]
+        return text, entries
+
+    def _logprobs(self, entries: list[_Entry]) -> p.CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
-        tokens = [token_text(self.tokenizer, lp.token_id) for lp in logprobs]
+        tokens = [token_text(self.tokenizer, token_id) for token_id, _, _ in entries]
         offsets = []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
         return p.CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[lp.logprob for lp in logprobs],
+            token_logprobs=[logprob for _, logprob, _ in entries],
             top_logprobs=[
-                {token_text(self.tokenizer, i): value for i, value in lp.top} for lp in logprobs
+                None if top is None else {token_text(self.tokenizer, i): v for i, v in top}
+                for _, _, top in entries
             ],
             text_offset=offsets,
         )
+
+
+def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
+    return [(lp.token_id, lp.logprob, lp.top) for lp in logprobs]
 
 
 class ChatFormat:
@@ -118,7 +164,11 @@ class ChatFormat:
         return [self._chunk(p.ChatDelta(role="assistant", content=""), None, [])]
 
     def chunk(
-        self, delta: str, finish_reason: str | None, logprobs: list[TokenLogprob]
+        self,
+        delta: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> BaseModel:
         return self._chunk(p.ChatDelta(content=delta or None), finish_reason, logprobs)
 
@@ -126,7 +176,11 @@ class ChatFormat:
         return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(
-        self, output: RequestOutput, usage: p.Usage, logprobs: list[TokenLogprob]
+        self,
+        output: RequestOutput,
+        usage: p.Usage,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> BaseModel:
         message = p.AssistantMessage(content=output.text)
         choice = p.ChatChoice(
@@ -183,7 +237,15 @@ async def create_completion(
     room = ctx.max_model_len - len(prompt_ids)
     max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
-    fmt = CompletionFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
+    if body.echo and body.logprobs is not None:
+        params = replace(params, prompt_logprobs=body.logprobs)
+    echo_text = None
+    if body.echo:
+        prompt = body.prompt
+        echo_text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids)
+    fmt = CompletionFormat(
+        ctx.model_name, ctx.tokenizer, params.logprobs is not None, echo_text, prompt_ids
+    )
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
 
 
@@ -273,25 +335,28 @@ async def _generate(
         events = _sse_events(ctx, stream, fmt, trace, body.include_usage)
         headers = {"Cache-Control": "no-cache", "X-Request-Id": fmt.request_id}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    output, logprobs = await _collect(ctx, http_request, stream, trace)
-    return JSONResponse(fmt.response(output, _usage(trace), logprobs).model_dump())
+    output, logprobs, prompt_logprobs = await _collect(ctx, http_request, stream, trace)
+    response = fmt.response(output, _usage(trace), logprobs, prompt_logprobs)
+    return JSONResponse(response.model_dump())
 
 
 async def _collect(
     ctx: ServingContext, http_request: Request, stream: RequestStream, trace: RequestTrace
-) -> tuple[RequestOutput, list[TokenLogprob]]:
-    """Wait for the final output (and gather every token's logprobs, if asked for), aborting
-    the request if the client hangs up first."""
+) -> tuple[RequestOutput, list[TokenLogprob], list[TokenLogprob | None] | None]:
+    """Wait for the final output (and gather every token's logprobs and the prompt's, if
+    asked for), aborting the request if the client hangs up first."""
     watcher = asyncio.create_task(_abort_on_disconnect(ctx, http_request, stream.request_id))
     output: RequestOutput | None = None
     logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     try:
         async for output in stream:
             trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
             logprobs += output.logprobs or []
+            prompt_logprobs = prompt_logprobs or output.prompt_logprobs
         if output is None:  # a stream always ends with a finished output; never seen
             raise APIError(500, "The engine ended the request without output.")
-        return output, logprobs
+        return output, logprobs, prompt_logprobs
     finally:
         watcher.cancel()
         if not stream.is_finished:
@@ -317,12 +382,14 @@ async def _sse_events(
         for chunk in fmt.opening():
             yield _sse(chunk)
         pending: list[TokenLogprob] = []  # tokens whose text is held back (stop strings)
+        prompt_logprobs: list[TokenLogprob | None] | None = None
         async for output in stream:
             trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
             pending += output.logprobs or []
+            prompt_logprobs = prompt_logprobs or output.prompt_logprobs
             if output.delta_text or output.finished:
                 finish_reason = output.finish_reason if output.finished else None
-                yield _sse(fmt.chunk(output.delta_text, finish_reason, pending))
+                yield _sse(fmt.chunk(output.delta_text, finish_reason, pending, prompt_logprobs))
                 pending = []
         if include_usage:
             yield _sse(fmt.usage_chunk(_usage(trace)))

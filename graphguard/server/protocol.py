@@ -26,7 +26,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -107,7 +106,8 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int]
     # The chosen token's log probability and this many alternatives per generated token.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: Any = None
+    # The prompt comes back before the completion (with its tokens' logprobs, if asked for).
+    echo: bool = False
     suffix: Any = None
     best_of: Any = None
 
@@ -223,9 +223,11 @@ class ChatLogprobs(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; with `echo` the prompt's first token has no logprob (null entries)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -114,7 +114,6 @@ BAD_REQUESTS = [
         400,
         "response_format",
     ),  # fmt: skip
-    ("echo", COMPLETIONS, _completion(echo=True), 400, "echo"),
     ("suffix", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
     ("best_of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
 ]
@@ -175,7 +174,7 @@ ASKS_FOR_NOTHING = [
     (CHAT, _chat(max_tokens=1, logprobs=False, top_logprobs=0, logit_bias={}, tools=[],
                  tool_choice="none", response_format={"type": "text"}, presence_penalty=0,
                  frequency_penalty=0, user="someone")),
-    (COMPLETIONS, _completion(max_tokens=1, logprobs=None, echo=False, suffix="", best_of=1)),
+    (COMPLETIONS, _completion(max_tokens=1, logprobs=None, suffix="", best_of=1)),
 ]  # fmt: skip
 
 

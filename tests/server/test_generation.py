@@ -183,3 +183,42 @@ def test_completion_logprobs_line_up_with_the_text(client: OpenAI) -> None:
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 2 and max(top, key=top.__getitem__) == token
         assert abs(top[token] - logprob) < 1e-6
+
+
+def test_echo_returns_the_prompt_and_its_token_logprobs(client: OpenAI) -> None:
+    prompt = "The capital of France is Paris"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=2, logprobs=1, echo=True
+    )
+    choice, usage = reply.choices[0], reply.usage
+    assert choice.text.startswith(prompt) and usage is not None
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # The first prompt token has no context; every other token has a logprob.
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0.0 for v in lp.token_logprobs[1:])
+    # " Paris" (the last prompt token) scores as it does when generated after the rest.
+    asked = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=1, logprobs=1
+    ).choices[0]
+    assert asked.text == " Paris" and asked.logprobs is not None
+    assert asked.logprobs.token_logprobs is not None
+    paris = lp.token_logprobs[usage.prompt_tokens - 1]
+    assert paris is not None
+    assert abs(paris - asked.logprobs.token_logprobs[0]) < 1e-3
+
+    plain = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=2, echo=True
+    ).choices[0]
+    assert plain.text == choice.text and plain.logprobs is None
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=2, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text

@@ -59,6 +59,21 @@ def test_logprobs_follow_each_token_and_only_when_asked(llm: LLM) -> None:
         assert lp.top[0][0] == lp.token_id and lp.logprob <= 0.0
 
 
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(llm: LLM) -> None:
+    prompt = "1, 2, 3, 4, 5"
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    result = llm.generate([prompt], params, use_tqdm=False)[0]
+    ids = llm.tokenizer.encode(prompt)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(ids)
+    assert result.prompt_logprobs[0] is None
+    scored = result.prompt_logprobs[1:]
+    assert [lp.token_id for lp in scored if lp is not None] == ids[1:]
+    # A counting prompt is easy to predict: its last token is the model's first choice.
+    last = scored[-1]
+    assert last is not None and last.top[0][0] == ids[-1] and len(last.top) == 2
+    assert result.logprobs is None
+
+
 def test_generate_shows_progress_over_requests(
     llm: LLM, capsys: pytest.CaptureFixture[str]
 ) -> None:
