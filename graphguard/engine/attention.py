@@ -6,9 +6,12 @@ with ``block = block_tables[seq, t // block_size]``.
 
 A prefill of many short prompts would pay one attention call per sequence per layer (on an
 H200, 16 ten-token prompts spent 150 of a 160 ms step there), so the model runner plans
-*prefill groups* once per step: sequences of similar length padded to a common length and
-attended in one masked call, where padding costs at most ``MAX_PAD_RATIO`` times the real
-attention work (or the group is small enough that padding costs nothing that matters).
+*prefill groups* once per step: short sequences of similar length padded to a common length
+and attended in one masked call. A group's padded attention area is at most ``MAX_PAD_RATIO``
+times its real area (or under ``SMALL_GROUP_AREA``, where padding costs nothing that matters)
+and never above ``MAX_GROUP_AREA``; a sequence longer than ``MAX_GROUPED_LEN`` is attended
+alone, causally, as one call per layer no longer costs much next to its work (and a masked
+call would give up the flash kernels and, on some backends, materialize the scores).
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # A group's padded attention area (num_seqs * length**2) may be this many times the real one
-# (the sum of each length**2), or up to SMALL_GROUP_AREA, where launches cost more than math.
+# (the sum of each length**2), or up to SMALL_GROUP_AREA, where launches cost more than math;
+# it never exceeds MAX_GROUP_AREA (the mask's bytes; the scores' elements per head).
 MAX_PAD_RATIO = 1.5
 SMALL_GROUP_AREA = 16384
+MAX_GROUP_AREA = 1 << 20
+MAX_GROUPED_LEN = 256  # longer sequences are attended alone
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,9 @@ def plan_prefill_groups(
     tokens (it attends over the cache instead, one sequence at a time).
 
     Longest first, a group grows while its padded area stays within MAX_PAD_RATIO of its real
-    area (or within SMALL_GROUP_AREA), so prompts of similar length share a call and a long
-    prompt does not pad short ones up to its length.
+    area (or within SMALL_GROUP_AREA) and within MAX_GROUP_AREA, so prompts of similar length
+    share a call and a long prompt does not pad short ones up to its length. Sequences longer
+    than MAX_GROUPED_LEN are groups of one.
     """
     if query_lens != seq_lens:
         return None
@@ -64,10 +71,11 @@ def plan_prefill_groups(
     groups: list[list[int]] = []
     for index in sorted(range(len(query_lens)), key=lambda i: -query_lens[i]):
         group = groups[-1] if groups else []
-        if group:
+        if group and query_lens[group[0]] <= MAX_GROUPED_LEN:
             padded = (len(group) + 1) * query_lens[group[0]] ** 2
             real = sum(query_lens[i] ** 2 for i in group) + query_lens[index] ** 2
-            if padded <= max(MAX_PAD_RATIO * real, SMALL_GROUP_AREA):
+            fits = padded <= max(MAX_PAD_RATIO * real, SMALL_GROUP_AREA)
+            if fits and padded <= MAX_GROUP_AREA:
                 group.append(index)
                 continue
         groups.append([index])

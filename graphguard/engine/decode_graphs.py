@@ -190,7 +190,7 @@ def install_decode_graphs(engine: LLMEngine) -> GraphCapability:
     if engine.config.graph_manifest:
         _prewarm_from(graphs, engine.config.graph_manifest)
     if engine.config.warmup_graphs:
-        batch_sizes, widths = warmup_shapes(engine.config)
+        batch_sizes, widths = warmup_shapes(engine.config, engine.max_model_len)
         report = graphs.warmup(batch_sizes, widths)
         log.info(
             "graphguard decode warmup: %d of %d keys captured in %.1f s",
@@ -201,15 +201,19 @@ def install_decode_graphs(engine: LLMEngine) -> GraphCapability:
     return capability
 
 
-def warmup_shapes(config: EngineConfig) -> tuple[list[int], list[int]]:
+def warmup_shapes(
+    config: EngineConfig, max_model_len: int | None = None
+) -> tuple[list[int], list[int]]:
     """The decode batch buckets and block-table widths that a server with `config` can run.
 
     Batch buckets stop at the first one that holds max_num_seqs rows; widths are the powers of
-    two up to the padded width of a max_model_len sequence.
+    two up to the padded width of a `max_model_len` sequence (the engine's own, which the
+    model's position limit may make shorter than config.max_model_len).
     """
     buckets = sorted(config.batch_buckets)
     cap = next((b for b in buckets if b >= config.max_num_seqs), buckets[-1])
-    max_width = width_bucket(-(-config.max_model_len // config.block_size))
+    length = config.max_model_len if max_model_len is None else max_model_len
+    max_width = width_bucket(-(-length // config.block_size))
     widths = [1 << i for i in range(max_width.bit_length())]
     return [b for b in buckets if b <= cap], widths
 

@@ -67,7 +67,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+            is_count = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and (not is_count or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(
                     f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
                 )

@@ -8,6 +8,7 @@ transformers uses.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,20 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE spells each byte as one printable character: the printable Latin-1
+    bytes as themselves, the other 68 as code points from 256 up, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -34,6 +49,11 @@ class Tokenizer:
         # bos_token / eos_token strings, passed to the chat template as variables.
         self.special_tokens = dict(special_tokens or {})
         self._template: Any = None
+        self._special_ids = {
+            i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
+        }
+        decoder = json.loads(tokenizer.to_str()).get("decoder")
+        self._byte_level = '"ByteLevel"' in json.dumps(decoder)
 
     @classmethod
     def from_folder(cls, folder: str | Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -75,6 +95,24 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """A control token (end of sequence, chat markers) that decoded text leaves out."""
+        return token_id in self._special_ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token contributes to decoded text, also where they are only part of
+        a character (b"" for special tokens). Byte-level BPE pieces map back byte for byte;
+        SentencePiece pieces are text with U+2581 for spaces and <0xNN> byte fallbacks."""
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is None or self.is_special(token_id):
+            return b""
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The chat template applied to ``messages``, as text."""

@@ -7,6 +7,7 @@ Completions and chat differ only in how the prompt is tokenized and how outputs 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import uuid
@@ -74,7 +75,7 @@ class CompletionFormat:
         self.with_logprobs = with_logprobs
         self._echo_text = echo_text
         self._prompt_ids = prompt_ids or []
-        self._text_offset = 0  # where the next token's text starts in the returned text
+        self._texts = TokenTexts(tokenizer)  # offsets run across chunks
 
     def opening(self) -> list[BaseModel]:
         return []
@@ -131,20 +132,23 @@ class CompletionFormat:
     def _logprobs(self, entries: list[_Entry]) -> p.CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
-        tokens = [token_text(self.tokenizer, token_id) for token_id, _, _ in entries]
-        offsets = []
-        for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
-        return p.CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[logprob for _, logprob, _ in entries],
-            top_logprobs=[
-                None if top is None else {token_text(self.tokenizer, i): v for i, v in top}
-                for _, _, top in entries
-            ],
-            text_offset=offsets,
+        logprobs = p.CompletionLogprobs(
+            tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
         )
+        for token_id, logprob, top in entries:
+            if self.tokenizer.is_special(token_id):
+                continue  # not part of the text (end of sequence, chat markers)
+            token, offset = self._texts.add(token_id)
+            logprobs.tokens.append(token)
+            logprobs.token_logprobs.append(logprob)
+            logprobs.text_offset.append(offset)
+            if top is None or logprob is None:
+                logprobs.top_logprobs.append(None)
+            else:  # the alternatives and, as OpenAI's legacy API does, the chosen token
+                alternatives = {self._texts.name(i): value for i, value in top}
+                alternatives.setdefault(token, logprob)
+                logprobs.top_logprobs.append(alternatives)
+        return logprobs
 
 
 def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
@@ -206,22 +210,47 @@ class ChatFormat:
         return p.ChatLogprobs(
             content=[
                 p.ChatTokenLogprob(
-                    **_top_logprob(self.tokenizer, lp.token_id, lp.logprob).model_dump(),
-                    top_logprobs=[_top_logprob(self.tokenizer, i, v) for i, v in lp.top],
+                    **self._top_logprob(lp.token_id, lp.logprob).model_dump(),
+                    top_logprobs=[self._top_logprob(i, v) for i, v in lp.top],
                 )
                 for lp in logprobs
+                if not self.tokenizer.is_special(lp.token_id)  # not part of the content
             ]
         )
 
+    def _top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
+        raw = self.tokenizer.token_bytes(token_id)
+        return p.TopLogprob(token=token_name(raw), logprob=logprob, bytes=list(raw))
 
-def token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    """One token's text as the tokenizer decodes it alone (special tokens included)."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+def token_name(raw: bytes) -> str:
+    """A token's text; a token that holds only part of a character is written as its bytes,
+    `bytes:\\xe6\\x97`, as OpenAI writes them."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
-def _top_logprob(tokenizer: Tokenizer, token_id: int, logprob: float) -> p.TopLogprob:
-    token = token_text(tokenizer, token_id)
-    return p.TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+class TokenTexts:
+    """Names and text offsets of a response's tokens, in order. An offset counts the
+    characters of the text before the token; bytes of a character split across tokens count
+    with the token that completes it."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._offset = 0
+
+    def add(self, token_id: int) -> tuple[str, int]:
+        """The next token's name and offset."""
+        raw = self.tokenizer.token_bytes(token_id)
+        offset = self._offset
+        self._offset += len(self._decoder.decode(raw))
+        return token_name(raw), offset
+
+    def name(self, token_id: int) -> str:
+        return token_name(self.tokenizer.token_bytes(token_id))
 
 
 OutputFormat = CompletionFormat | ChatFormat

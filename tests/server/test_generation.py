@@ -145,10 +145,12 @@ def test_chat_logprobs_describe_each_generated_token(client: OpenAI) -> None:
     choice = reply.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     tokens = choice.logprobs.content
-    assert reply.usage is not None and len(tokens) == reply.usage.completion_tokens
-    # The end-of-sequence token is listed too (it counts in usage), as its special text.
+    # Every generated token but the end-of-sequence one, which is not part of the content.
+    assert reply.usage is not None and choice.finish_reason == "stop"
+    assert len(tokens) == reply.usage.completion_tokens - 1
     content = choice.message.content or ""
-    assert "".join(t.token for t in tokens) in (content, content + "<|im_end|>")
+    assert "".join(t.token for t in tokens) == content
+    assert b"".join(bytes(t.bytes or []) for t in tokens) == content.encode()
     for token in tokens:
         assert token.logprob <= 0.0 and len(token.top_logprobs) == 3
         alternatives = [t.logprob for t in token.top_logprobs]
@@ -156,7 +158,6 @@ def test_chat_logprobs_describe_each_generated_token(client: OpenAI) -> None:
         # Greedy picks the most likely token: it is the first alternative, same logprob.
         assert token.top_logprobs[0].token == token.token
         assert abs(token.top_logprobs[0].logprob - token.logprob) < 1e-6
-        assert token.bytes == list(token.token.encode())
     plain = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == choice.message.content
@@ -222,3 +223,20 @@ def test_echo_returns_the_prompt_and_its_token_logprobs(client: OpenAI) -> None:
     )
     assert chunks[0].choices[0].text.startswith(prompt)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+
+
+def test_logprobs_of_tokens_that_split_a_character_carry_their_bytes(client: OpenAI) -> None:
+    prompt = "日本語のテキスト 🎉 ok"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=1, logprobs=0, echo=True
+    )
+    lp = reply.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None
+    text = reply.choices[0].text
+    # Byte-level tokens split these characters: such tokens are named by their bytes ...
+    partial = [t for t in lp.tokens if t.startswith("bytes:")]
+    assert partial and all(t.startswith("bytes:\\x") for t in partial)
+    # ... and offsets count characters of the returned text, never past its end.
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
+    whole = [(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True) if t == " ok"]
+    assert whole and text[whole[0][1] :].startswith(" ok")

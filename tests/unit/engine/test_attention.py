@@ -7,6 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard.engine.attention import (
+    MAX_GROUP_AREA,
+    MAX_GROUPED_LEN,
     MAX_PAD_RATIO,
     SMALL_GROUP_AREA,
     AttentionMetadata,
@@ -163,7 +165,8 @@ def test_prefill_groups_cover_every_sequence_once_within_the_pad_ratio() -> None
         area = group.num_seqs * group.length**2
         seq_lens = group.mask[:, 0, -1, :].sum(dim=-1).tolist()  # the last query sees them all
         real = sum(n * n for n in seq_lens)
-        assert area <= max(MAX_PAD_RATIO * real, SMALL_GROUP_AREA)
+        assert area <= max(MAX_PAD_RATIO * real, SMALL_GROUP_AREA) and area <= MAX_GROUP_AREA
+        assert group.length <= MAX_GROUPED_LEN
         assert sum(seq_lens) == group.dest.numel()
         rows += group.dest.tolist()
     assert sorted(rows) == list(range(sum(lens)))
@@ -208,3 +211,14 @@ def test_grouped_prefill_equals_one_sequence_at_a_time() -> None:
         expected = dense_attention(q[last], k[start : last + 1], v[start : last + 1])
         torch.testing.assert_close(grouped[last], expected)
         start += n
+
+
+def test_long_prompts_are_attended_alone_and_groups_stay_bounded() -> None:
+    # Equal lengths would group at any size by the pad ratio; long ones must not.
+    long = [MAX_GROUPED_LEN + 1] * 3
+    groups = plan_prefill_groups(long, long, "cpu")
+    assert groups is not None and len(groups) == 3 and all(g.gather is None for g in groups)
+    many = [200] * 64  # 64 x 200**2 would be 2.6M pairs in one group
+    groups = plan_prefill_groups(many, many, "cpu")
+    assert groups is not None and len(groups) > 1
+    assert all(g.num_seqs * g.length**2 <= MAX_GROUP_AREA for g in groups)

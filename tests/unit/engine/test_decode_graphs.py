@@ -203,6 +203,8 @@ def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
         assert width_bucket(-(-length // config.block_size)) in widths
     wide = EngineConfig(max_num_seqs=40, max_model_len=64, batch_buckets=(1, 16))
     assert warmup_shapes(wide) == ([1, 16], [1, 2, 4])
+    # The engine's own limit (the model's positions) bounds the widths, not the config's.
+    assert warmup_shapes(wide, max_model_len=16) == ([1, 16], [1])
 
 
 def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded_model):

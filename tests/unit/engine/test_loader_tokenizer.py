@@ -51,3 +51,18 @@ def test_chat_template_matches_transformers(embedded_model: LoadedModel, hf_toke
 def test_eos_is_the_end_of_turn_token(embedded_model: LoadedModel) -> None:
     tokenizer = embedded_model.tokenizer
     assert tokenizer.eos_token_ids == (tokenizer.token_to_id("<|im_end|>"),)
+
+
+@pytest.mark.parametrize("text", ["日本語のテキスト 🎉 ok", "naïve café\n\ttabs  spaces", "plain"])
+def test_token_bytes_rebuild_the_utf8_of_the_text(embedded_model: LoadedModel, text: str) -> None:
+    tokenizer = embedded_model.tokenizer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_special_tokens_are_known_and_have_no_bytes(embedded_model: LoadedModel) -> None:
+    tokenizer = embedded_model.tokenizer
+    eos = tokenizer.eos_token_ids[0]
+    assert tokenizer.is_special(eos) and tokenizer.token_bytes(eos) == b""
+    word = tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    assert not tokenizer.is_special(word) and tokenizer.token_bytes(word) == b" Paris"

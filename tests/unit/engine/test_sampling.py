@@ -93,6 +93,8 @@ def test_greedy_rows_leave_the_random_rows_draws_unchanged() -> None:
         (SamplingParams(presence_penalty=2.5), "presence_penalty"),
         (SamplingParams(logprobs=21), "logprobs"),
         (SamplingParams(logprobs=-1), "logprobs"),
+        (SamplingParams(logprobs=True), "logprobs"),
+        (SamplingParams(prompt_logprobs=21), "prompt_logprobs"),
         (SamplingParams(frequency_penalty=-2.01), "frequency_penalty"),
         (SamplingParams(frequency_penalty=float("nan")), "frequency_penalty"),
     ],
