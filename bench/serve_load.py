@@ -194,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         # Decode graphs captured while the load ran: the capture cost inside TTFT and TPOT.
         summary["graph_captures"] = graphs["captures"] - graphs_before["captures"]
         summary["graphs_resident"] = graphs["entries"]
+        if graphs.get("prefill") and graphs_before.get("prefill"):
+            before, after = graphs_before["prefill"], graphs["prefill"]
+            summary["prefill_graph_captures"] = after["captures"] - before["captures"]
     report = {
         "benchmark": "serve_load",
         "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -103,6 +103,9 @@ async def get_graphs(ctx: Serving) -> JSONResponse:
     if runtime is None:
         return JSONResponse({"enabled": False, "reason": graphs_off_reason(ctx.engine.engine)})
     stats = await asyncio.to_thread(runtime.stats)
+    # The segmented prefill graphs, when the engine runs them: their own budget and groups.
+    prefill = ctx.engine.engine.prefill_graphs
+    stats["prefill"] = await asyncio.to_thread(prefill.stats) if prefill is not None else None
     return JSONResponse(_jsonable(stats))
 
 

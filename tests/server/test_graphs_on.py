@@ -44,6 +44,8 @@ def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningS
     assert body["enabled"] is True and body["reason"] == "enabled"
     assert body["replays"] > 0 and body["graphs"] and body["resident_bytes"] > 0
     assert body["kv_bytes"] == graph_server.engine.kv.kv_bytes
+    # The prefill graphs report beside them, with the calls that reached them.
+    assert body["prefill"] is not None and body["prefill"]["calls"] > 0
 
 
 def test_metrics_carry_the_graph_runtime_counters(graph_server: RunningServer) -> None:
