@@ -49,9 +49,9 @@ class Tokenizer:
         # bos_token / eos_token strings, passed to the chat template as variables.
         self.special_tokens = dict(special_tokens or {})
         self._template: Any = None
-        self._special_ids = {
-            i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special
-        }
+        added = tokenizer.get_added_tokens_decoder()
+        self._added_text = {i: str(token.content) for i, token in added.items()}
+        self._special_ids = {i for i, token in added.items() if token.special}
         decoder = json.loads(tokenizer.to_str()).get("decoder")
         self._byte_level = '"ByteLevel"' in json.dumps(decoder)
 
@@ -101,11 +101,14 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token contributes to decoded text, also where they are only part of
-        a character (b"" for special tokens). Byte-level BPE pieces map back byte for byte;
-        SentencePiece pieces are text with U+2581 for spaces and <0xNN> byte fallbacks."""
+        """The bytes of one token's text, also where they are only part of a character.
+        Added tokens (control tokens among them) are their text; byte-level BPE pieces map
+        back byte for byte; SentencePiece pieces are text with U+2581 for spaces and <0xNN>
+        byte fallbacks. (Decoded text leaves control tokens out: see is_special.)"""
+        if token_id in self._added_text:
+            return self._added_text[token_id].encode()
         piece = self._tokenizer.id_to_token(token_id)
-        if piece is None or self.is_special(token_id):
+        if piece is None:
             return b""
         if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)

@@ -53,8 +53,8 @@ class ServingContext:
 
 
 # A token of a completions logprobs list: id, logprob and alternatives (None for the first
-# token of an echoed prompt, which has no context).
-_Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None]
+# token of an echoed prompt, which has no context), and whether it is a prompt token.
+_Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None, bool]
 
 
 class CompletionFormat:
@@ -75,7 +75,7 @@ class CompletionFormat:
         self.with_logprobs = with_logprobs
         self._echo_text = echo_text
         self._prompt_ids = prompt_ids or []
-        self._texts = TokenTexts(tokenizer)  # offsets run across chunks
+        self._texts = TokenTexts(tokenizer, echo_text or "")  # offsets run across chunks
 
     def opening(self) -> list[BaseModel]:
         return []
@@ -124,7 +124,7 @@ class CompletionFormat:
         text, self._echo_text = self._echo_text, None
         lps = prompt_logprobs or [None] * len(self._prompt_ids)
         entries: list[_Entry] = [
-            (i, None, None) if lp is None else (i, lp.logprob, lp.top)
+            (i, None, None, True) if lp is None else (i, lp.logprob, lp.top, True)
             for i, lp in zip(self._prompt_ids, lps, strict=True)
         ]
         return text, entries
@@ -135,10 +135,10 @@ class CompletionFormat:
         logprobs = p.CompletionLogprobs(
             tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
         )
-        for token_id, logprob, top in entries:
-            if self.tokenizer.is_special(token_id):
-                continue  # not part of the text (end of sequence, chat markers)
-            token, offset = self._texts.add(token_id)
+        # NOTE: every token has an entry, control tokens too (named by their text): scoring
+        # tools index these lists by token position.
+        for token_id, logprob, top, is_prompt in entries:
+            token, offset = self._texts.add(token_id, is_prompt)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(logprob)
             logprobs.text_offset.append(offset)
@@ -152,7 +152,7 @@ class CompletionFormat:
 
 
 def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
-    return [(lp.token_id, lp.logprob, lp.top) for lp in logprobs]
+    return [(lp.token_id, lp.logprob, lp.top, False) for lp in logprobs]
 
 
 class ChatFormat:
@@ -233,20 +233,32 @@ def token_name(raw: bytes) -> str:
 
 
 class TokenTexts:
-    """Names and text offsets of a response's tokens, in order. An offset counts the
-    characters of the text before the token; bytes of a character split across tokens count
-    with the token that completes it."""
+    """Names and text offsets of a response's tokens, in order: an echoed prompt's (`echo` is
+    its returned text), then the completion's. An offset counts the characters of the text
+    before the token; bytes of a character split across tokens count with the token that
+    completes it. Control tokens of the completion are not in its text (offset unchanged);
+    a prompt's are where the echoed text spells them (a prompt string may, an added start
+    token is not)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, echo: str = "") -> None:
         self.tokenizer = tokenizer
+        self._echo = echo
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._offset = 0
 
-    def add(self, token_id: int) -> tuple[str, int]:
+    def add(self, token_id: int, is_prompt: bool = False) -> tuple[str, int]:
         """The next token's name and offset."""
         raw = self.tokenizer.token_bytes(token_id)
         offset = self._offset
-        self._offset += len(self._decoder.decode(raw))
+        if self.tokenizer.is_special(token_id):
+            name = raw.decode("utf-8")
+            if is_prompt and self._echo.startswith(name, offset):
+                self._offset += len(name)
+            return name, offset
+        chars = self._decoder.decode(raw)
+        if is_prompt and chars[:1] == " " and self._echo[offset : offset + 1] != " ":
+            chars = chars[1:]  # a decoder that strips the text's leading space (SentencePiece)
+        self._offset += len(chars)
         return token_name(raw), offset
 
     def name(self, token_id: int) -> str:
@@ -271,7 +283,11 @@ async def create_completion(
     echo_text = None
     if body.echo:
         prompt = body.prompt
-        echo_text = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt_ids)
+        echo_text = (
+            prompt
+            if isinstance(prompt, str)
+            else ctx.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        )
     fmt = CompletionFormat(
         ctx.model_name, ctx.tokenizer, params.logprobs is not None, echo_text, prompt_ids
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
 MAX_CHAT_TOP_LOGPROBS = 20  # the OpenAI limits
@@ -105,9 +105,9 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[str] | list[int]
     # The chosen token's log probability and this many alternatives per generated token.
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # The prompt comes back before the completion (with its tokens' logprobs, if asked for).
-    echo: bool = False
+    echo: bool | None = None
     suffix: Any = None
     best_of: Any = None
 

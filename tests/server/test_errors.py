@@ -97,6 +97,7 @@ BAD_REQUESTS = [
     ("top_logprobs_without_logprobs", CHAT, _chat(top_logprobs=3), 400, "top_logprobs"),
     ("top_logprobs_above_20", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("completion_logprobs_above_5", COMPLETIONS, _completion(logprobs=6), 400, "logprobs"),
+    ("completion_logprobs_true", COMPLETIONS, _completion(logprobs=True), 400, "logprobs"),
     # Unimplemented OpenAI features are refused rather than silently missing from the answer.
     ("logit_bias", COMPLETIONS, _completion(logit_bias={"42": 5}), 400, "logit_bias"),
     (
@@ -174,7 +175,7 @@ ASKS_FOR_NOTHING = [
     (CHAT, _chat(max_tokens=1, logprobs=False, top_logprobs=0, logit_bias={}, tools=[],
                  tool_choice="none", response_format={"type": "text"}, presence_penalty=0,
                  frequency_penalty=0, user="someone")),
-    (COMPLETIONS, _completion(max_tokens=1, logprobs=None, suffix="", best_of=1)),
+    (COMPLETIONS, _completion(max_tokens=1, logprobs=None, echo=None, suffix="", best_of=1)),
 ]  # fmt: skip
 
 

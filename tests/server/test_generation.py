@@ -240,3 +240,21 @@ def test_logprobs_of_tokens_that_split_a_character_carry_their_bytes(client: Ope
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(text)
     whole = [(t, o) for t, o in zip(lp.tokens, lp.text_offset, strict=True) if t == " ok"]
     assert whole and text[whole[0][1] :].startswith(" ok")
+
+
+def test_completion_logprobs_list_every_token_control_tokens_too(client: OpenAI) -> None:
+    # A chat-formatted prompt: the model answers, then ends its turn with <|im_end|>.
+    prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=24, logprobs=1, echo=True
+    )
+    choice, usage = reply.choices[0], reply.usage
+    lp = choice.logprobs
+    assert usage is not None and lp is not None and choice.finish_reason == "stop"
+    assert lp.tokens is not None and lp.text_offset is not None
+    # One entry per token, so scoring tools can index them by position.
+    assert len(lp.tokens) == usage.prompt_tokens + usage.completion_tokens
+    assert lp.tokens[-1] == "<|im_end|>" and lp.text_offset[-1] == len(choice.text)
+    # Control tokens the prompt spells sit at their place in the echoed text.
+    for token, offset in zip(lp.tokens[: usage.prompt_tokens], lp.text_offset, strict=False):
+        assert choice.text[offset:].startswith(token), (token, offset)

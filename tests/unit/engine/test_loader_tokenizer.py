@@ -60,9 +60,9 @@ def test_token_bytes_rebuild_the_utf8_of_the_text(embedded_model: LoadedModel, t
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
 
 
-def test_special_tokens_are_known_and_have_no_bytes(embedded_model: LoadedModel) -> None:
+def test_special_tokens_are_known_and_spelled_by_their_text(embedded_model: LoadedModel) -> None:
     tokenizer = embedded_model.tokenizer
     eos = tokenizer.eos_token_ids[0]
-    assert tokenizer.is_special(eos) and tokenizer.token_bytes(eos) == b""
+    assert tokenizer.is_special(eos) and tokenizer.token_bytes(eos) == b"<|im_end|>"
     word = tokenizer.encode(" Paris", add_special_tokens=False)[0]
     assert not tokenizer.is_special(word) and tokenizer.token_bytes(word) == b" Paris"
