@@ -236,12 +236,17 @@ class LLMEngine:
                 for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True)
             ]
             self._num_steps += 1
-            self._num_generated_tokens += len(seqs)
+            self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
             return outputs
 
     def _append(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
+        if seq.params.max_tokens == 0:  # prompt scoring: the prefill ran, no token is kept
+            self.scheduler.finish(seq, "length")
+            output = self._output(seq, [])
+            self._forget(seq.request_id)
+            return output
         seq.append_token(token_id)
         reason = self._finish_reason(seq, token_id)
         if reason is not None:

@@ -49,8 +49,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or math.isnan(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(
+                f"max_tokens must be an integer >= 0 (0: prefill and score the prompt only), "
+                f"got {self.max_tokens!r}"
+            )
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"

@@ -276,7 +276,12 @@ async def create_completion(
     ctx.check_model(body.model)
     prompt_ids = await _encode_prompt(ctx, body.prompt)
     room = ctx.max_model_len - len(prompt_ids)
-    max_tokens = body.max_tokens or min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
+    max_tokens = body.max_tokens
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
+    if max_tokens == 0 and not body.echo:
+        message = "max_tokens must be at least 1 (0 only with echo, to score the prompt)."
+        raise APIError(400, message, param="max_tokens", code="invalid_value")
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=body.logprobs)
@@ -302,6 +307,9 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
     max_tokens = body.requested_max_tokens
+    if max_tokens == 0:
+        message = "'max_tokens': Input should be greater than or equal to 1"
+        raise APIError(400, message, param="max_tokens", code="invalid_value")
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
     fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace, images)

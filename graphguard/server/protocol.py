@@ -48,7 +48,7 @@ class _GenerationRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with completions' echo
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = None

@@ -49,6 +49,7 @@ BAD_REQUESTS = [
     ),
     ("max_tokens_zero", COMPLETIONS, _completion(max_tokens=0), 400, "max_tokens"),
     ("max_tokens_negative", CHAT, _chat(max_tokens=-5), 400, "max_tokens"),
+    ("chat_max_tokens_zero", CHAT, _chat(max_tokens=0), 400, "max_tokens"),
     (
         "max_completion_tokens_zero",
         CHAT,

@@ -258,3 +258,15 @@ def test_completion_logprobs_list_every_token_control_tokens_too(client: OpenAI)
     # Control tokens the prompt spells sit at their place in the echoed text.
     for token, offset in zip(lp.tokens[: usage.prompt_tokens], lp.text_offset, strict=False):
         assert choice.text[offset:].startswith(token), (token, offset)
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(client: OpenAI) -> None:
+    prompt = "The capital of France is Paris"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True
+    )
+    choice, usage = reply.choices[0], reply.usage
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == 0
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert len(choice.logprobs.token_logprobs) == usage.prompt_tokens

@@ -43,7 +43,7 @@ def engine(tiny: LoadedModel) -> LLMEngine:
     [
         ([], GREEDY, "empty"),
         ([5] * 64, GREEDY, "max_model_len"),
-        ([5], SamplingParams(max_tokens=0), "max_tokens"),
+        ([5], SamplingParams(max_tokens=-1), "max_tokens"),
         ([5], SamplingParams(temperature=-1.0), "temperature"),
         ([5], SamplingParams(temperature=101.0), "temperature"),
         ([5], SamplingParams(temperature=float("nan")), "temperature"),

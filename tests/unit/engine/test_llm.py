@@ -74,6 +74,19 @@ def test_prompt_logprobs_score_every_prompt_token_after_the_first(llm: LLM) -> N
     assert result.logprobs is None
 
 
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llm: LLM) -> None:
+    prompt = "The capital of France is Paris"
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    scored, generated = llm.generate(
+        [prompt, prompt], [score, SamplingParams(temperature=0.0, max_tokens=2)], use_tqdm=False
+    )
+    assert scored.token_ids == [] and scored.text == "" and scored.finish_reason == "length"
+    assert scored.prompt_logprobs is not None
+    assert len(scored.prompt_logprobs) == len(llm.tokenizer.encode(prompt))
+    assert generated.text  # its neighbour in the batch is unaffected
+    assert llm.engine.kv.num_used_blocks == 0
+
+
 def test_generate_shows_progress_over_requests(
     llm: LLM, capsys: pytest.CaptureFixture[str]
 ) -> None:

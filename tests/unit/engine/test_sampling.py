@@ -80,7 +80,6 @@ def test_greedy_rows_leave_the_random_rows_draws_unchanged() -> None:
 @pytest.mark.parametrize(
     ("params", "field"),
     [
-        (SamplingParams(max_tokens=0), "max_tokens"),
         (SamplingParams(max_tokens=-3), "max_tokens"),
         (SamplingParams(temperature=-0.1), "temperature"),
         (SamplingParams(temperature=100.5), "temperature"),
