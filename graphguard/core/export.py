@@ -44,6 +44,10 @@ class ManifestError(ValueError):
     """A manifest that is not valid JSON of this format, or a key that cannot be rebuilt."""
 
 
+class ManifestVersionError(ManifestError):
+    """A manifest of this format written in another version of it."""
+
+
 # -- environment and identity --------------------------------------------------------------
 def environment(backend: Any) -> dict[str, Any]:
     """Where graphs were (or would be) captured: torch, CUDA, driver, device, graphguard."""
@@ -259,7 +263,7 @@ def validate_manifest(data: Any) -> None:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"not a graphguard manifest (format is not {MANIFEST_FORMAT!r})")
     if data.get("version") != MANIFEST_VERSION:
-        raise ManifestError(
+        raise ManifestVersionError(
             f"manifest version {data.get('version')!r}; this graphguard reads {MANIFEST_VERSION}"
         )
     graphs = data.get("graphs")

@@ -18,6 +18,7 @@ import torch
 from graphguard.core.export import (
     ManifestError,
     ManifestSource,
+    ManifestVersionError,
     environment,
     key_from_json,
     read_manifest,
@@ -90,6 +91,8 @@ def prewarm(
     try:
         data = read_manifest(manifest)
         refused = refusal(data, environment(runner.backend), model)
+    except ManifestVersionError as exc:
+        refused = ("version", str(exc))
     except ManifestError as exc:
         refused = ("unreadable", str(exc))
     if refused is not None:

@@ -110,7 +110,8 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="N",
         help="tokens one step may run (a whole prompt must fit: there is no chunked prefill); "
-        f"default: the larger of {_ENGINE.max_num_batched_tokens} and --max-model-len",
+        f"default: the largest of {_ENGINE.max_num_batched_tokens}, --max-model-len and "
+        "--max-num-seqs",
     )
     group.add_argument(
         "--block-size",
@@ -137,7 +138,7 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=_ENGINE.num_kv_blocks,
         metavar="N",
-        help=f"KV cache blocks of {_ENGINE.block_size} tokens; 0 sizes the pool for "
+        help="KV cache blocks of --block-size tokens; 0 sizes the pool for "
         "max-num-seqs full-length requests, capped at half the free GPU memory or 1 GiB on "
         "CPU (default: 0)",
     )
@@ -145,15 +146,15 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         "--enforce-eager",
         action="store_true",
         default=_ENGINE.enforce_eager,
-        help="run decode eagerly, never through CUDA graphs",
+        help="run decode and prefill eagerly, never through CUDA graphs",
     )
     group.add_argument(
         "--max-graph-bytes",
         type=parse_bytes,
         default=_ENGINE.max_graph_bytes,
         metavar="SIZE",
-        help="byte budget of the decode graph cache, e.g. "
-        f"512MiB or 2GiB (default: {format_bytes(_ENGINE.max_graph_bytes)})",
+        help="byte budget of the decode graphs, and separately of the segmented prefill "
+        f"graphs, e.g. 512MiB or 2GiB (default: {format_bytes(_ENGINE.max_graph_bytes)} each)",
     )
     group.add_argument(
         "--graph-manifest",
@@ -184,8 +185,9 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         type=parse_buckets,
         default=_ENGINE.batch_buckets,
         metavar="LIST",
-        help="decode batch sizes that get a graph, comma "
-        f"separated; other sizes pad up (default: {buckets})",
+        help="decode batch sizes that get a graph, comma separated; other sizes pad up, and "
+        "batches above the largest run eagerly (unbucketed_shape), so keep the largest >= "
+        f"--max-num-seqs (default: {buckets})",
     )
 
 

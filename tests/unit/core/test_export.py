@@ -232,7 +232,6 @@ def test_manifest_of_another_model_is_refused(captured, make_runner, tmp_path):
     "content, why",
     [
         ("{not json", "cannot read"),
-        ('{"format": "graphguard-manifest", "version": 99}', "version 99"),
         ('{"format": "other"}', "not a graphguard manifest"),
         ('{"format": "graphguard-manifest", "version": 1, "environment": {}}', "list of graphs"),
     ],
@@ -243,6 +242,16 @@ def test_unreadable_manifest_is_refused_without_raising(make_runner, tmp_path, c
     report = make_runner().prewarm(path, progress=False)
     assert report.refused is not None and report.refused.startswith("unreadable")
     assert why in report.refused
+
+
+def test_manifest_of_another_version_is_refused_as_such(make_runner, tmp_path):
+    path = tmp_path / "future.json"
+    path.write_text('{"format": "graphguard-manifest", "version": 99}')
+    runner = make_runner()
+    report = runner.prewarm(path, progress=False)
+    assert report.refused is not None and report.refused.startswith("version")
+    assert "version 99" in report.refused
+    assert runner.metrics.prewarm_refusals.labels("version")._value.get() == 1
 
 
 def test_missing_manifest_is_refused_without_raising(make_runner, tmp_path):
