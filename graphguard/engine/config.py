@@ -103,11 +103,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
-        # No chunked prefill: the longest prompt, and one decode token for every running
-        # sequence, must each fit one step's token budget.
-        needed = max(self.max_model_len, self.max_num_seqs)
-        if self.max_num_batched_tokens < needed:
+        # One decode token for every running sequence must fit one step's token budget;
+        # prompts longer than what a step has left are prefilled in chunks.
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max(max_model_len, max_num_seqs) = {needed}"
+                f"max_num_seqs ({self.max_num_seqs})"
             )

@@ -207,16 +207,22 @@ class LLMEngine:
             self._forget(request_id)
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: prefill admitted requests, decode one token for the rest."""
+        """One scheduler iteration: decode one token for the running requests, prefill the next
+        chunk of the others (graphguard.engine.scheduler); only requests that decoded or
+        finished their prompt get a token."""
         with self.lifecycle_lock:
             self._check_open()
             outputs, self._pending = self._pending, []
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
-            seqs = batch.seqs
             try:
                 logits = self.runner.run(batch)
+                # Prefills that stop mid-prompt (chunked) get no token this step.
+                rows = [i for i, seq in enumerate(batch.seqs) if batch.completes(seq)]
+                seqs = [batch.seqs[i] for i in rows]
+                if len(rows) < len(batch.seqs):
+                    logits = logits[rows]
                 token_ids = sample(
                     logits,
                     [s.params for s in seqs],
@@ -228,9 +234,10 @@ class LLMEngine:
                 # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
                 # go back) and keep every output owed for the next step, then re-raise.
                 self._pending = outputs
-                for seq in seqs:
+                for seq in batch.seqs:
                     self.abort_request(seq.request_id)
                 raise
+            self.scheduler.advance(batch)
             outputs += [
                 self._append(seq, token_id, logprob)
                 for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True)
@@ -294,7 +301,7 @@ class LLMEngine:
 
     @staticmethod
     def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
-        if seq.prompt_logprobs is None or seq.prompt_logprobs_sent:
+        if not seq.has_prompt_logprobs or seq.prompt_logprobs_sent:
             return None
         seq.prompt_logprobs_sent = True
         return seq.prompt_logprobs

@@ -18,7 +18,7 @@ from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.prefill_graphs import ImageSplice, eager_prefill, image_splice
-from graphguard.engine.sampling import TokenLogprob, token_logprobs
+from graphguard.engine.sampling import token_logprobs
 from graphguard.engine.scheduler import ScheduledBatch
 from graphguard.engine.sequence import Sequence
 
@@ -56,22 +56,26 @@ class ModelRunner:
         if batch.decodes:
             parts.append(self.decode(batch.decodes))
         if batch.prefills:
-            parts.append(self.prefill(batch.prefills))
+            parts.append(self.prefill(batch.prefills, batch.chunks))
         # batch.seqs is decodes then prefills, so concatenation restores request order.
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def prefill(self, seqs: list[Sequence]) -> Tensor:
-        """One eager forward over the packed uncached tokens; logits of each last token."""
+    def prefill(self, seqs: list[Sequence], chunks: list[int] | None = None) -> Tensor:
+        """One forward over the packed next `chunks` uncached tokens of each sequence (default:
+        all of them), after its cached ones; logits of each chunk's last token."""
+        if chunks is None:
+            chunks = [seq.num_tokens - seq.num_cached_tokens for seq in seqs]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for seq in seqs:
-            new_positions = range(seq.num_cached_tokens, seq.num_tokens)
-            input_ids += seq.token_ids[seq.num_cached_tokens :]
+        for seq, chunk in zip(seqs, chunks, strict=True):
+            first = seq.num_cached_tokens
+            new_positions = range(first, first + chunk)
+            input_ids += seq.token_ids[first : first + chunk]
             positions += new_positions
             slots += [self._slot(seq, pos) for pos in new_positions]
-        seq_lens = [seq.num_tokens for seq in seqs]
-        query_lens = [seq.num_tokens - seq.num_cached_tokens for seq in seqs]
+        seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
+        query_lens = list(chunks)
         query_start_loc = _cumsum0(query_lens)
         width = max(len(seq.block_table) for seq in seqs)
         meta = AttentionMetadata(
@@ -85,29 +89,28 @@ class ModelRunner:
             prefill_groups=plan_prefill_groups(query_lens, seq_lens, self.device),
         )
         ids_gpu = self._tensor(input_ids, torch.int64)
-        splice = image_splice(seqs, self.device)
+        splice = image_splice(seqs, self.device, chunks)
         hidden = self.prefill_fn(ids_gpu, self._tensor(positions, torch.int64), meta, splice)
-        for seq, start in zip(seqs, query_start_loc, strict=False):
-            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None:
-                # NOTE: the first prefill of a request covers its whole prompt (nothing cached).
-                seq.prompt_logprobs = self._prompt_logprobs(seq, hidden, start)
+        for seq, start, chunk in zip(seqs, query_start_loc, chunks, strict=False):
+            if seq.params.prompt_logprobs is not None and not seq.has_prompt_logprobs:
+                self._add_prompt_logprobs(seq, hidden[start : start + chunk])
         last_rows = self._tensor([end - 1 for end in query_start_loc[1:]], torch.int64)
         return self.model.compute_logits(hidden.index_select(0, last_rows)).float()
 
-    def _prompt_logprobs(
-        self, seq: Sequence, hidden: Tensor, start: int
-    ) -> list[TokenLogprob | None]:
-        """Each prompt token's logprob given the tokens before it, from the prefill's hidden
-        states (row start + i predicts prompt token i + 1); logits in chunks of rows."""
+    def _add_prompt_logprobs(self, seq: Sequence, hidden: Tensor) -> None:
+        """Extend `seq.prompt_logprobs` with what this prefill chunk scores: the hidden row at
+        position p predicts prompt token p + 1 (rows of at most PROMPT_LOGPROBS_CHUNK at a
+        time). The first prompt token, with no context, gets None."""
         ids = seq.prompt_token_ids
+        first = seq.num_cached_tokens
+        scored = seq.prompt_logprobs = [None] if first == 0 else seq.prompt_logprobs or [None]
         k = seq.params.prompt_logprobs
-        result: list[TokenLogprob | None] = [None]
-        for first in range(0, len(ids) - 1, PROMPT_LOGPROBS_CHUNK):
-            targets = ids[first + 1 : first + 1 + PROMPT_LOGPROBS_CHUNK]
-            rows = hidden[start + first : start + first + len(targets)]
+        end = min(first + hidden.shape[0], len(ids) - 1)  # positions whose next token is prompt
+        for pos in range(first, end, PROMPT_LOGPROBS_CHUNK):
+            targets = ids[pos + 1 : min(pos + 1 + PROMPT_LOGPROBS_CHUNK, end + 1)]
+            rows = hidden[pos - first : pos - first + len(targets)]
             logits = self.model.compute_logits(rows).float()
-            result += token_logprobs(logits, targets, [k] * len(targets))
-        return result
+            scored += token_logprobs(logits, targets, [k] * len(targets))
 
     def decode(self, seqs: list[Sequence]) -> Tensor:
         """One query token per sequence through ``decode_fn``; logits of the real rows."""

@@ -99,18 +99,22 @@ def _post_attention(layer: DecoderLayer) -> Any:
     return post
 
 
-def image_splice(seqs: list[Sequence], device: torch.device) -> ImageSplice | None:
-    """Where the packed prefill of `seqs` takes image embeddings; None without images."""
+def image_splice(
+    seqs: list[Sequence], device: torch.device, chunks: list[int] | None = None
+) -> ImageSplice | None:
+    """Where the packed prefill of `seqs` (the next `chunks` uncached tokens of each, default
+    all) takes image embeddings; None without images."""
     rows: list[int] = []
     parts: list[Tensor] = []
     start = 0
-    for seq in seqs:
+    for index, seq in enumerate(seqs):
         cached = seq.num_cached_tokens
-        picked = [j for j, pos in enumerate(seq.image_positions) if pos >= cached]
+        chunk = seq.num_tokens - cached if chunks is None else chunks[index]
+        picked = [j for j, pos in enumerate(seq.image_positions) if cached <= pos < cached + chunk]
         if picked and seq.image_embeds is not None:
             rows += [start + seq.image_positions[j] - cached for j in picked]
             parts.append(seq.image_embeds[picked])
-        start += seq.num_tokens - cached
+        start += chunk
     if not rows:
         return None
     rows_gpu = torch.tensor(rows, dtype=torch.int64, device=device)

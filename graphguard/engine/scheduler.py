@@ -1,10 +1,13 @@
-"""Continuous batching over a paged KV pool, with preemption by recompute.
+"""Continuous batching over a paged KV pool, with chunked prefill and preemption by recompute.
 
-Each step decodes one token for every running sequence and prefills the waiting sequences that
-fit (FIFO, by free KV blocks, by the step's token budget and by ``max_num_seqs``). When a running
-sequence needs a new block and none is free, the most recently admitted running sequence is
-preempted: its blocks are freed and it goes back to the front of the waiting queue with its
-output kept, so a later prefill recomputes prompt + output so far.
+Each step decodes one token for every running sequence whose prefill is done, continues the
+prefills in progress, then admits waiting sequences (FIFO, by free KV blocks and by
+``max_num_seqs``), all within the step's token budget. A prompt longer than what is left of the
+budget is prefilled in chunks over several steps (its KV blocks are reserved at admission), so
+one long prompt never makes a step longer than the budget. When a running sequence needs a new
+block and none is free, the most recently admitted running sequence is preempted: its blocks
+are freed and it goes back to the front of the waiting queue with its output kept, so a later
+prefill recomputes prompt + output so far.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class ScheduledBatch:
     """One step's work. ``seqs`` is the request order in which outputs are returned."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one query token each
-    prefills: list[Sequence] = field(default_factory=list)  # all of their tokens
+    prefills: list[Sequence] = field(default_factory=list)  # a chunk of their uncached tokens
+    chunks: list[int] = field(default_factory=list)  # tokens of each prefill in this step
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -45,7 +49,14 @@ class ScheduledBatch:
 
     @property
     def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(seq.num_tokens for seq in self.prefills)
+        return len(self.decodes) + sum(self.chunks)
+
+    def completes(self, seq: Sequence) -> bool:
+        """Whether `seq` gets its next token from this step (a decode, or a last chunk)."""
+        if seq not in self.prefills:
+            return True
+        chunk = self.chunks[self.prefills.index(seq)]
+        return seq.num_cached_tokens + chunk == seq.num_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -72,12 +83,31 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Reserve KV for one step: a decode slot per running sequence, then new prefills."""
+        """Reserve KV for one step: a decode slot per running sequence done with its prefill,
+        the next chunk of each prefill in progress, then new prefills."""
         decodes, did_preempt = self._schedule_decodes()
+        batch = ScheduledBatch(decodes=decodes)
         budget = self.max_num_batched_tokens - len(decodes)
+        for seq in self.running:
+            if seq in decodes or budget <= 0:
+                continue
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            batch.prefills.append(seq)
+            batch.chunks.append(chunk)
+            budget -= chunk
         # After a preemption the pool is short; admitting now would only preempt again.
-        prefills = [] if did_preempt else self._schedule_prefills(budget)
-        return ScheduledBatch(decodes=decodes, prefills=prefills)
+        if not did_preempt:
+            for seq in self._admit(budget):
+                batch.prefills.append(seq)
+                batch.chunks.append(min(seq.num_tokens, budget))
+                budget -= batch.chunks[-1]
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the step ran: prefills that did not finish have their chunk's KV written."""
+        for seq, chunk in zip(batch.prefills, batch.chunks, strict=True):
+            if not batch.completes(seq):
+                seq.num_cached_tokens += chunk
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence and return its blocks to the pool."""
@@ -103,7 +133,9 @@ class Scheduler:
 
     def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
         scheduled: list[Sequence] = []
-        candidates = list(self.running)
+        # A sequence decodes once every token but its last is cached (a prefill whose last
+        # chunk would be one token is that same computation).
+        candidates = [s for s in self.running if s.num_cached_tokens == s.num_tokens - 1]
         did_preempt = False
         while candidates:
             seq = candidates.pop(0)
@@ -119,14 +151,16 @@ class Scheduler:
                 scheduled.append(seq)
         return scheduled, did_preempt
 
-    def _schedule_prefills(self, budget: int) -> list[Sequence]:
+    def _admit(self, budget: int) -> list[Sequence]:
+        """Waiting sequences that start their prefill this step, in order, while `budget`
+        tokens are left: the last one admitted may get only a first chunk."""
         admitted: list[Sequence] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
-            if seq.num_tokens > budget or not self.kv.can_allocate(num_blocks):
+            if not self.kv.can_allocate(num_blocks):
                 break  # FIFO: nobody overtakes the head of the queue
-            budget -= seq.num_tokens
+            budget -= min(seq.num_tokens, budget)
             self.waiting.popleft()
             seq.block_table = self.kv.allocate(num_blocks)
             seq.num_cached_tokens = 0

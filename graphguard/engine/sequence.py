@@ -48,7 +48,7 @@ class Sequence:
         self.image_embeds: torch.Tensor | None = None
         self.image_positions: list[int] = []
         # params.prompt_logprobs: one entry per prompt token (None for the first), written by
-        # the first prefill; handed out once, with the request's first output.
+        # the prefill chunk by chunk; handed out once, with the request's first output.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_logprobs_sent = False
 
@@ -71,6 +71,12 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Every prompt token is scored (a prefill has passed the prompt's end)."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) == self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

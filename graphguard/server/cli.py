@@ -109,9 +109,9 @@ def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="tokens one step may run (a whole prompt must fit: there is no chunked prefill); "
-        f"default: the largest of {_ENGINE.max_num_batched_tokens}, --max-model-len and "
-        "--max-num-seqs",
+        help="tokens one step may run, decodes and prefills together; a longer prompt is "
+        "prefilled in chunks over several steps, so this bounds the time of a step "
+        f"(default: the larger of {_ENGINE.max_num_batched_tokens} and --max-num-seqs)",
     )
     group.add_argument(
         "--block-size",
@@ -227,7 +227,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         batch_buckets=tuple(args.batch_buckets),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens
-        or max(_ENGINE.max_num_batched_tokens, args.max_model_len, args.max_num_seqs),
+        or max(_ENGINE.max_num_batched_tokens, args.max_num_seqs),
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         block_size=args.block_size,

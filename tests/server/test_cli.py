@@ -124,6 +124,10 @@ def test_a_setting_the_config_refuses_is_a_usage_error_not_a_traceback(capsys):
     assert "max_num_seqs must be positive" in capsys.readouterr().err
 
 
-def test_a_long_context_raises_the_step_token_budget_with_it():
+def test_a_long_context_keeps_the_step_token_budget():
+    # Prompts longer than a step's budget are prefilled in chunks.
     config = config_from_args(build_parser().parse_args(["--max-model-len", "8192"]))
-    assert config.engine.max_num_batched_tokens == 8192
+    assert config.engine.max_model_len == 8192
+    assert config.engine.max_num_batched_tokens == 4096
+    many = config_from_args(build_parser().parse_args(["--max-num-seqs", "8192"]))
+    assert many.engine.max_num_batched_tokens == 8192

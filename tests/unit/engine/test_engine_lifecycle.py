@@ -85,9 +85,11 @@ def test_auto_device_and_dtype_follow_cuda_availability() -> None:
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
 
 
-def test_config_refuses_a_token_budget_below_max_model_len() -> None:
+def test_config_refuses_a_token_budget_below_max_num_seqs() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineConfig(max_model_len=4096, max_num_batched_tokens=2048)
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    # A budget below max_model_len is fine: long prompts are prefilled in chunks.
+    EngineConfig(max_model_len=4096, max_num_batched_tokens=512)
 
 
 def test_step_waits_for_the_lifecycle_lock(engine: LLMEngine) -> None:

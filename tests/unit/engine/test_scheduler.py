@@ -63,9 +63,39 @@ def test_max_num_seqs_caps_the_running_set() -> None:
 
 def test_token_budget_caps_the_prefills_of_one_step() -> None:
     scheduler = _scheduler(num_usable_blocks=16, budget=10)
-    for name in "abc":
+    for name in "abcd":
         scheduler.add(_seq(name, 4))
-    assert [s.request_id for s in scheduler.schedule().prefills] == ["a", "b"]
+    batch = scheduler.schedule()
+    # "c" gets the 2 tokens left as a first chunk; "d" waits.
+    assert [s.request_id for s in batch.prefills] == ["a", "b", "c"]
+    assert batch.chunks == [4, 4, 2] and batch.num_batched_tokens == 10
+    assert [s.request_id for s in scheduler.waiting] == ["d"]
+
+
+def _run_chunked_step(scheduler: Scheduler) -> tuple[list[str], int]:
+    """One step as the engine runs it: only sequences that complete get a token."""
+    batch = scheduler.schedule()
+    done = [seq for seq in batch.seqs if batch.completes(seq)]
+    scheduler.advance(batch)
+    for seq in done:
+        seq.append_token(7)
+    return [seq.request_id for seq in done], batch.num_batched_tokens
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode() -> None:
+    scheduler = _scheduler(num_usable_blocks=16, budget=6)
+    short, long = _seq("short", 2), _seq("long", 13)
+    scheduler.add(short)
+    assert _run_chunked_step(scheduler) == (["short"], 2)
+    scheduler.add(long)
+    # Each step: one decode token for "short", the rest of the budget for "long"'s prompt.
+    assert _run_chunked_step(scheduler) == (["short"], 6)
+    assert long.num_cached_tokens == 5 and len(long.block_table) == 4  # reserved at admission
+    assert _run_chunked_step(scheduler) == (["short"], 6)
+    assert long.num_cached_tokens == 10
+    assert _run_chunked_step(scheduler) == (["short", "long"], 4)  # the last 3 prompt tokens
+    assert long.output_token_ids == [7] and long.num_cached_tokens == 13
+    assert _run_chunked_step(scheduler) == (["short", "long"], 2)  # both decode
 
 
 def test_a_step_decodes_the_running_and_prefills_the_newly_admitted() -> None:
