@@ -133,16 +133,14 @@ class Scheduler:
 
     def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
         scheduled: list[Sequence] = []
-        # A sequence decodes once every token but its last is cached (a prefill whose last
-        # chunk would be one token is that same computation).
-        candidates = [s for s in self.running if s.num_cached_tokens == s.num_tokens - 1]
         did_preempt = False
-        while candidates:
-            seq = candidates.pop(0)
+        for seq in [s for s in self.running if _decodes_next(s)]:
+            if seq not in self.running:
+                continue  # preempted below to make room for an older sequence
             while not self._can_append_slot(seq):
                 did_preempt = True
-                # The most recently admitted one goes: the last candidate, else seq itself.
-                victim = candidates.pop() if candidates else seq
+                # The most recently admitted one goes (a prefill in progress too), else seq.
+                victim = next(s for s in reversed(self.running) if s not in scheduled)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -190,3 +188,11 @@ class Scheduler:
         if seq.block_table:
             self.kv.free(seq.block_table)
             seq.block_table = []
+
+
+def _decodes_next(seq: Sequence) -> bool:
+    """Every token but the last is cached: the step computes that one and samples the next.
+    A prefill with one prompt token left is the same computation, unless that token is an
+    image placeholder (decode does not splice images): it stays a one-token prefill."""
+    last = seq.num_tokens - 1
+    return seq.num_cached_tokens == last and last not in seq.image_positions

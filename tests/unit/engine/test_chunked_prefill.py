@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from graphguard.engine.images import expand_image_tokens
 from graphguard.engine.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     make_engine,
@@ -83,6 +84,22 @@ def test_image_prompts_are_spliced_chunk_by_chunk(embedded_model):
     chunked = make_engine(embedded_model, max_num_batched_tokens=7, **settings)
     try:
         requests = {"img": (image_prompt(whole, "What is shown?"), [image(1)])}
+        assert generate_with_images(chunked, requests) == generate_with_images(whole, requests)
+    finally:
+        whole.shutdown()
+        chunked.shutdown()
+
+
+def test_a_prompt_ending_in_an_image_keeps_its_last_image_token_a_prefill(embedded_model):
+    # With a budget of n - 1 the last prompt token is left alone for a second step; it is an
+    # image placeholder, which only the prefill path splices.
+    whole = make_engine(embedded_model, max_model_len=128)
+    vision = whole.vision
+    ids = whole.tokenizer.encode("Describe this:") + [vision.image_token_id]
+    prompt = expand_image_tokens(ids, vision.image_token_id, vision.num_tokens_per_image, 1)
+    chunked = make_engine(embedded_model, max_model_len=128, max_num_batched_tokens=len(prompt) - 1)
+    try:
+        requests = {"img": (prompt, [image(2)])}
         assert generate_with_images(chunked, requests) == generate_with_images(whole, requests)
     finally:
         whole.shutdown()

@@ -177,3 +177,17 @@ def test_abort_frees_blocks_of_a_running_request_at_once() -> None:
 
 def test_abort_of_unknown_request_is_a_no_op() -> None:
     assert _scheduler(num_usable_blocks=2).abort("nope") is None
+
+
+def test_a_newer_prefill_in_progress_is_preempted_before_an_older_decode() -> None:
+    scheduler = _scheduler(num_usable_blocks=3, budget=5)
+    old, new = _seq("old", 3), _seq("new", 8)
+    scheduler.add(old)
+    _run_chunked_step(scheduler)  # old prefilled: 4 tokens, 1 block
+    scheduler.add(new)
+    assert _run_chunked_step(scheduler) == (["old"], 5)  # new admitted: 2 blocks, 4 tokens in
+    assert new.num_cached_tokens == 4 and scheduler.kv.num_free_blocks == 0
+    # old's next decode needs a block: the most recently admitted, new, gives its back.
+    assert _run_chunked_step(scheduler)[0] == ["old"]
+    assert list(scheduler.waiting) == [new] and new.num_cached_tokens == 0
+    assert scheduler.num_preemptions == 1 and len(old.block_table) == 2
