@@ -11,7 +11,8 @@ and attended in one masked call. A group's padded attention area is at most ``MA
 times its real area (or under ``SMALL_GROUP_AREA``, where padding costs nothing that matters)
 and never above ``MAX_GROUP_AREA``; a sequence longer than ``MAX_GROUPED_LEN`` is attended
 alone, causally, as one call per layer no longer costs much next to its work (and a masked
-call would give up the flash kernels and, on some backends, materialize the scores).
+call would give up the flash kernels and, on some backends, materialize the scores). A
+continued chunked prefill is a group of one that attends over its paged cache.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ MAX_GROUPED_LEN = 256  # longer sequences are attended alone
 class PrefillGroup:
     """Sequences of one prefill padded to ``length`` tokens for one attention call.
 
-    ``start``/``end`` bound the packed rows of a group of one sequence (no padding, no index).
-    For more, padded slot ``i * length + j`` holds packed row ``gather[i * length + j]`` (the
+    ``start``/``end`` bound the packed rows of a group of one sequence (no padding, no index);
+    one whose ``cached_row`` is set continues a prefill and attends over its first
+    ``context_len`` cached + new tokens (row ``cached_row`` of the block tables). For more,
+    padded slot ``i * length + j`` holds packed row ``gather[i * length + j]`` (the
     sequence's first row where j is past its end), ``mask`` allows key j for query i when
     ``j <= i`` and j is inside the sequence, and ``dest``/``src`` map real packed rows to
     their padded slots.
@@ -46,6 +49,8 @@ class PrefillGroup:
     length: int
     start: int = 0
     end: int = 0
+    cached_row: int | None = None  # a continued prefill: its row in the batch
+    context_len: int = 0  # its cached + new tokens
     gather: Tensor | None = None  # [num_seqs * length] int64, on gpu
     src: Tensor | None = None  # [real tokens] int64, on gpu: padded slots
     dest: Tensor | None = None  # [real tokens] int64, on gpu: packed rows
@@ -54,22 +59,26 @@ class PrefillGroup:
 
 def plan_prefill_groups(
     query_lens: list[int], seq_lens: list[int], device: torch.device | str
-) -> tuple[PrefillGroup, ...] | None:
-    """Group a prefill's sequences for batched attention; None when some sequence has cached
-    tokens (it attends over the cache instead, one sequence at a time).
+) -> tuple[PrefillGroup, ...]:
+    """Group a prefill's sequences for batched attention. A sequence with cached tokens (a
+    chunked prefill going on) is a group of one that attends over the paged cache.
 
     Longest first, a group grows while its padded area stays within MAX_PAD_RATIO of its real
     area (or within SMALL_GROUP_AREA) and within MAX_GROUP_AREA, so prompts of similar length
     share a call and a long prompt does not pad short ones up to its length. Sequences longer
     than MAX_GROUPED_LEN are groups of one.
     """
-    if query_lens != seq_lens:
-        return None
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
+    fresh = [i for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True)) if q == s]
+    continued = tuple(
+        PrefillGroup(1, query_lens[i], starts[i], starts[i + 1], i, seq_lens[i])
+        for i in range(len(query_lens))
+        if query_lens[i] != seq_lens[i]
+    )
     groups: list[list[int]] = []
-    for index in sorted(range(len(query_lens)), key=lambda i: -query_lens[i]):
+    for index in sorted(fresh, key=lambda i: -query_lens[i]):
         group = groups[-1] if groups else []
         if group and query_lens[group[0]] <= MAX_GROUPED_LEN:
             padded = (len(group) + 1) * query_lens[group[0]] ** 2
@@ -79,7 +88,7 @@ def plan_prefill_groups(
                 group.append(index)
                 continue
         groups.append([index])
-    return tuple(_build_group(g, query_lens, starts, device) for g in groups)
+    return tuple(_build_group(g, query_lens, starts, device) for g in groups) + continued
 
 
 def _build_group(
@@ -201,7 +210,7 @@ def paged_prefill_attention(
     attend over the new k/v directly.
     """
     if meta.prefill_groups is not None:
-        return _grouped_prefill_attention(q, k, v, meta.prefill_groups, scale)
+        return _grouped_prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
     if meta.seq_lens_cpu is None or meta.query_lens_cpu is None:
         raise ValueError("prefill needs seq_lens_cpu and query_lens_cpu")
     out = torch.empty_like(q)
@@ -219,13 +228,25 @@ def paged_prefill_attention(
 
 
 def _grouped_prefill_attention(
-    q: Tensor, k: Tensor, v: Tensor, groups: tuple[PrefillGroup, ...], scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> Tensor:
-    """Causal attention of sequences without cached tokens, one call per PrefillGroup."""
+    """Causal attention, one call per PrefillGroup of ``meta.prefill_groups``."""
+    assert meta.prefill_groups is not None
     out = torch.empty_like(q)
-    for group in groups:
+    for group in meta.prefill_groups:
+        rows = slice(group.start, group.end)
+        if group.cached_row is not None:
+            table = meta.block_tables[group.cached_row]
+            k_seq, v_seq = _gather_context(k_cache, v_cache, table, group.context_len)
+            out[rows] = _causal_sdpa(q[rows], k_seq, v_seq, scale)
+            continue
         if group.gather is None:
-            rows = slice(group.start, group.end)
             out[rows] = _causal_sdpa(q[rows], k[rows], v[rows], scale)
             continue
         assert group.src is not None and group.dest is not None and group.mask is not None

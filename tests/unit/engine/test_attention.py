@@ -172,8 +172,46 @@ def test_prefill_groups_cover_every_sequence_once_within_the_pad_ratio() -> None
     assert sorted(rows) == list(range(sum(lens)))
 
 
-def test_prefill_with_cached_tokens_is_not_grouped() -> None:
-    assert plan_prefill_groups([3, 4], [3, 9], "cpu") is None
+def test_a_continued_prefill_is_a_group_of_one_over_its_cache() -> None:
+    groups = plan_prefill_groups([3, 4, 3], [3, 9, 3], "cpu")
+    continued = [g for g in groups if g.cached_row is not None]
+    assert len(continued) == 1 and continued[0].cached_row == 1
+    assert continued[0].context_len == 9 and (continued[0].start, continued[0].end) == (3, 7)
+    # The two fresh three-token prompts still share one padded call.
+    assert [g.num_seqs for g in groups if g.cached_row is None] == [2]
+
+
+def test_grouped_prefill_with_a_continued_prefill_equals_one_at_a_time() -> None:
+    # Row 0: a fresh 4-token prompt. Row 1: tokens 7..9 of a sequence whose first 7 are cached.
+    tables = [[3, 7, 1], [5, 2, 6]]
+    query_lens, seq_lens = [4, 3], [4, 10]
+    slots = [tables[0][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(4)]
+    slots += [tables[1][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(7, 10)]
+    q = torch.randn(7, NUM_HEADS, HEAD_DIM)
+    k = torch.randn(7, NUM_KV_HEADS, HEAD_DIM)
+    v = torch.randn(7, NUM_KV_HEADS, HEAD_DIM)
+    cache = random_cache()  # row 1's cached tokens are whatever the cache holds
+    write_kv(*cache, k, v, torch.tensor(slots))
+
+    def meta(grouped: bool) -> AttentionMetadata:
+        return AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 4, 7], dtype=torch.int32),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+            prefill_groups=plan_prefill_groups(query_lens, seq_lens, "cpu") if grouped else None,
+        )
+
+    grouped = paged_prefill_attention(q, k, v, *cache, meta(True), SCALE)
+    alone = paged_prefill_attention(q, k, v, *cache, meta(False), SCALE)
+    torch.testing.assert_close(grouped, alone)
+    # Row 1's last token sees its whole context through the cache.
+    context_k = contiguous(cache[0], tables[1], 10)
+    context_v = contiguous(cache[1], tables[1], 10)
+    torch.testing.assert_close(grouped[6], dense_attention(q[6], context_k, context_v))
 
 
 def grouped_meta(lens: list[int], grouped: bool) -> AttentionMetadata:
