@@ -97,10 +97,9 @@ class Scheduler:
             budget -= chunk
         # After a preemption the pool is short; admitting now would only preempt again.
         if not did_preempt:
-            for seq in self._admit(budget):
+            for seq, chunk in self._admit(budget):
                 batch.prefills.append(seq)
-                batch.chunks.append(min(seq.num_tokens, budget))
-                budget -= batch.chunks[-1]
+                batch.chunks.append(chunk)
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
@@ -149,22 +148,23 @@ class Scheduler:
                 scheduled.append(seq)
         return scheduled, did_preempt
 
-    def _admit(self, budget: int) -> list[Sequence]:
-        """Waiting sequences that start their prefill this step, in order, while `budget`
-        tokens are left: the last one admitted may get only a first chunk."""
-        admitted: list[Sequence] = []
+    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+        """Waiting sequences that start their prefill this step, in order, with the tokens
+        each runs, while `budget` tokens are left: the last one may get only a first chunk."""
+        admitted: list[tuple[Sequence, int]] = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
             if not self.kv.can_allocate(num_blocks):
                 break  # FIFO: nobody overtakes the head of the queue
-            budget -= min(seq.num_tokens, budget)
+            chunk = min(seq.num_tokens, budget)
+            budget -= chunk
             self.waiting.popleft()
             seq.block_table = self.kv.allocate(num_blocks)
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
+            admitted.append((seq, chunk))
         return admitted
 
     def _can_append_slot(self, seq: Sequence) -> bool:
