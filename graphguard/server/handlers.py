@@ -307,9 +307,6 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
     max_tokens = body.requested_max_tokens
-    if max_tokens == 0:
-        message = "'max_tokens': Input should be greater than or equal to 1"
-        raise APIError(400, message, param="max_tokens", code="invalid_value")
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
     fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace, images)

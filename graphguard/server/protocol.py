@@ -169,6 +169,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)  # chat has no echo: 0 asks for nothing
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: Any = None
     tool_choice: Any = None
