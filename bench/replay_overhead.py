@@ -4,6 +4,10 @@ On a Qwen3-0.6B-shaped decoder step (random bf16 weights, static KV cache, conte
 batch 1, 8 and 32. Targets: GraphRunner within 3% of raw replay at batch 1 (about 8.5x faster
 than eager there) and a capture under 100 ms per shape.
 
+Small-graph rows, batch 1, bf16: a 48-block 1024-wide MLP (a graph of about 0.7 ms) and the
+same with 1 block, where the GPU finishes before the host can launch the next call, so the
+time per call is host time. Target: GraphRunner at most 15 us a call over raw replay.
+
     python bench/replay_overhead.py [--shape qwen3-0.6b] [--iters 50]
 """
 
@@ -73,6 +77,65 @@ def measure_batch(step: DecoderStep, runner: gg.GraphRunner, batch: int, iters: 
     )
 
 
+def small_mlp(blocks: int, device: torch.device):
+    weights = [
+        torch.randn(1024, 1024, device=device, dtype=torch.bfloat16) / 32 for _ in range(blocks)
+    ]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        for w in weights:
+            x = torch.relu(x @ w)
+        return x
+
+    return step
+
+
+def raw_single(step, x: torch.Tensor):
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+
+    def call(new_x: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(new_x)
+        graph.replay()
+        return static_out
+
+    return call, graph
+
+
+def measure_small(blocks: int, iters: int) -> dict:
+    """GraphRunner against a raw graph of the same step, interleaved in one process."""
+    device = torch.device("cuda")
+    step = small_mlp(blocks, device)
+    x = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
+    raw, graph = raw_single(step, x)
+    runner = gg.GraphRunner(step, copy_outputs=False, admission=gg.AdmissionConfig(min_hits=1))
+    runner(x)  # capture + parity check
+    raws, ours = [], []
+    for _ in range(3):  # interleaved, so drift of the host hits both alike
+        raws.append(per_call_ms(lambda: raw(x), iters=iters))
+        ours.append(per_call_ms(lambda: runner(x), iters=iters))
+    raw_ms, ours_ms = min(raws), min(ours)
+    equal = torch.equal(runner(x), raw(x).clone())
+    runner.close()
+    del graph
+    return dict(
+        blocks=blocks,
+        raw_graph_ms=raw_ms,
+        graphguard_ms=ours_ms,
+        vs_raw=ours_ms / raw_ms,
+        overhead_us=(ours_ms - raw_ms) * 1e3,
+        bitwise_equal_to_raw=equal,
+    )
+
+
 def measure(shape: str, iters: int) -> dict:
     device = torch.device("cuda")
     step = DecoderStep(
@@ -87,11 +150,13 @@ def measure(shape: str, iters: int) -> dict:
     rows = [measure_batch(step, runner, batch, iters) for batch in BATCHES]
     stats = runner.stats()
     runner.close()
+    small = [measure_small(blocks, iters=max(200, 4 * iters)) for blocks in (48, 1)]
     return dict(
         shape=shape,
         context=512,
         dtype="bfloat16",
         rows=rows,
+        small_rows=small,
         resident_bytes=stats["resident_bytes"],
     )
 
@@ -117,6 +182,11 @@ def main() -> None:
             r["capture_ms"],
         )
         print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in cells))
+    print("small graphs, batch 1 (MLP blocks of 1024):")
+    print(" ".join(f"{h:>10}" for h in ("blocks", "raw ms", "gg ms", "gg/raw", "+us/call")))
+    for r in result["small_rows"]:
+        small = (r["blocks"], r["raw_graph_ms"], r["graphguard_ms"], r["vs_raw"], r["overhead_us"])
+        print(" ".join(f"{c:>10.3f}" if isinstance(c, float) else f"{c:>10}" for c in small))
 
 
 if __name__ == "__main__":

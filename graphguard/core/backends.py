@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
 
 log = logging.getLogger("graphguard")
-Work = Callable[[], None]
 
 
 class CaptureError(RuntimeError):
@@ -29,13 +30,15 @@ class Backend(Protocol):
 
     def new_stream(self) -> Any: ...
     def release_stream(self, stream: Any) -> None: ...
-    def release_pool(self, pool: Any) -> None: ...
     def new_pool(self) -> Any: ...
+    def release_pool(self, pool: Any) -> None: ...
     def new_event(self) -> Any: ...
+    def allocating(self, pool: Any, stream: Any) -> AbstractContextManager[None]: ...
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
     ) -> tuple[Any, Any]: ...
-    def launch(self, stream: Any, event: Any, work: Work) -> None: ...
+    def current_stream(self) -> Any: ...
+    def record(self, event: Any, stream: Any) -> None: ...
     def wait(self, event: Any) -> None: ...
     def reset(self, graph: Any) -> None: ...
     def pool_reserved_bytes(self, pool: Any) -> int: ...
@@ -44,7 +47,13 @@ class Backend(Protocol):
 
 
 class CudaBackend:
-    """torch.cuda.CUDAGraph with a private pool and a capture stream per entry."""
+    """torch.cuda.CUDAGraph with a private pool and a capture stream per entry.
+
+    Every device byte an entry causes lands in its own pool: static inputs, the warm-ups' blocks
+    and the cuBLAS / cuBLASLt workspace that its capture binds (docs/runtime.md, "What is
+    charged"). So the pool's reserved segments are the whole charge, and resetting the graph and
+    dropping the pool gives them back.
+    """
 
     name = "cuda"
 
@@ -52,7 +61,6 @@ class CudaBackend:
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs CUDA, and torch.cuda.is_available() is False")
         self.device = _cuda_device(device)
-        self._free_streams: list[torch.cuda.Stream] = []
         if _suspect_cublas_config():
             log.warning(
                 "graphguard: CUBLAS_WORKSPACE_CONFIG is neither ':4096:8' nor ':16:8'; with "
@@ -60,78 +68,124 @@ class CudaBackend:
                 "parity checks can then reject good graphs. Set it before CUDA starts."
             )
         self.num_warmup = num_warmup
+        self._index = self.device.index
+        self._held: set[Any] = set()  # pools whose entry still holds them (release_pool)
+        self._lock = threading.Lock()
 
     def new_stream(self) -> torch.cuda.Stream:
-        """A CUDA stream owned by one entry at a time.
+        """A CUDA stream of the entry's own, destroyed when the entry retires.
 
         torch.cuda.Stream() hands out one of 32 pooled streams per device, so 40 graphs would
         share streams; through cuda.bindings (when installed) each live entry gets its own.
-        Released streams are kept for the next entry rather than destroyed: PyTorch keys a
-        cuBLAS workspace by stream and bakes it into the graphs captured there, so recycling
-        bounds those workspaces by the peak number of live graphs.
         """
-        if self._free_streams:
-            return self._free_streams.pop()
         return _owned_stream(self.device) or torch.cuda.Stream(device=self.device)
 
     def release_stream(self, stream: Any) -> None:
-        # NOTE: called after the entry waited on its last replay and reset its graph; a stream
-        # released twice must not be handed to two entries.
-        if getattr(stream, "owned_handle", None) is not None and stream not in self._free_streams:
-            self._free_streams.append(stream)
+        # NOTE: called after the entry waited on its last replay and reset its graph. The
+        # capture cleared the cuBLAS workspace bound to this stream, so nothing is keyed by it.
+        handle = getattr(stream, "owned_handle", None)
+        if handle is None:
+            return
+        stream.owned_handle = None  # a second release destroys nothing
+        from cuda.bindings import runtime as cudart
+
+        stream.synchronize()
+        cudart.cudaStreamDestroy(handle)
 
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
+    def release_pool(self, pool: Any) -> None:
+        """Drop the entry's hold on its pool (its graph was reset already): the allocator
+        frees the pool's segments on the next trim(), whoever still names the pool."""
+        with self._lock:
+            if pool not in self._held:
+                return
+            self._held.discard(pool)
+        torch._C._cuda_releasePool(self._index, pool)
+
     def new_event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
+
+    @contextmanager
+    def allocating(self, pool: Any, stream: Any) -> Iterator[None]:
+        """Allocations of this thread go to `pool`, on `stream` (after the caller's work).
+
+        The first use creates the pool with one hold, the entry's, which release_pool() drops;
+        later uses take and drop a hold of their own.
+        """
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            torch._C._cuda_beginAllocateCurrentThreadToPool(self._index, pool)
+            try:
+                yield
+            finally:
+                torch._C._cuda_endAllocateToPool(self._index, pool)
+                with self._lock:
+                    is_first = pool not in self._held
+                    self._held.add(pool)
+                if not is_first:
+                    torch._C._cuda_releasePool(self._index, pool)
 
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
     ) -> tuple[Any, Any]:
         caller = torch.cuda.current_stream(self.device)
-        stream.wait_stream(caller)
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+        with self.allocating(pool, stream):
             try:
-                for _ in range(self.num_warmup):  # warm-up on the entry's own stream
+                for _ in range(self.num_warmup):  # warm-up on the entry's stream, in its pool
                     fn(*args)
                 stream.synchronize()
             except Exception as exc:
                 raise CaptureError(f"warm-up failed: {type(exc).__name__}: {exc}") from exc
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
-            # __enter__ synchronizes the whole device and empties the allocator cache.
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            # NOTE: the workspace bound to (handle, stream) was allocated by the warm-ups;
+            # clearing it makes the capture allocate its own inside the pool, and clearing again
+            # after it leaves no cached workspace pointing into the pool (docs/runtime.md).
+            _clear_blas_workspaces()
             try:
-                outputs = fn(*args)
-            except BaseException as exc:
-                self._end_failed_capture(graph, pool, stream)
-                if not isinstance(exc, Exception):
-                    raise  # KeyboardInterrupt and friends stay what they are, after cleanup
-                raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
-            try:
-                graph.capture_end()
-            except RuntimeError as exc:
-                self._repair_after_failed_end(graph, pool, stream)
-                raise CaptureError(str(exc)) from exc
-            try:
-                graph.instantiate()
-            except RuntimeError as exc:
-                graph.reset()
-                raise CaptureError(str(exc)) from exc
+                graph, outputs = self._capture_on(fn, args, pool, stream)
+            finally:
+                _clear_blas_workspaces()
         caller.wait_stream(stream)
         return graph, outputs
 
-    def _end_failed_capture(self, graph: Any, pool: Any, stream: Any) -> None:
+    def _capture_on(
+        self, fn: Callable[..., Any], args: list[Any], pool_id: Any, stream: Any
+    ) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
+        # __enter__ synchronizes the whole device and empties the allocator cache.
+        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        try:
+            outputs = fn(*args)
+        except BaseException as exc:
+            self._end_failed_capture(graph, pool_id, stream)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends stay what they are, after cleanup
+            raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            graph.capture_end()
+        except RuntimeError as exc:
+            self._repair_after_failed_end(graph, pool_id, stream)
+            raise CaptureError(str(exc)) from exc
+        try:
+            graph.instantiate()
+        except RuntimeError as exc:
+            graph.reset()
+            raise CaptureError(str(exc)) from exc
+        return graph, outputs
+
+    def _end_failed_capture(self, graph: Any, pool_id: Any, stream: Any) -> None:
         """End a capture whose function raised: no stream is left capturing."""
         try:
             graph.capture_end()
         except RuntimeError:
-            self._repair_after_failed_end(graph, pool, stream)
+            self._repair_after_failed_end(graph, pool_id, stream)
             return
         graph.reset()
 
-    def _repair_after_failed_end(self, graph: Any, pool: Any, stream: Any) -> None:
+    def _repair_after_failed_end(self, graph: Any, pool_id: Any, stream: Any) -> None:
         """Undo what a raising CUDAGraph.capture_end left behind.
 
         It raises (the capture was invalidated) before it stops routing the stream's
@@ -139,9 +193,8 @@ class CudaBackend:
         allocator is pointed back here, and a small capture that completes runs the
         generator's epilogue.
         """
-        index = self.device.index
-        torch._C._cuda_endAllocateToPool(index, pool)
-        torch._C._cuda_releasePool(index, pool)
+        torch._C._cuda_endAllocateToPool(self._index, pool_id)
+        torch._C._cuda_releasePool(self._index, pool_id)
         self._reset_generator(stream)
         graph.reset()
 
@@ -156,14 +209,18 @@ class CudaBackend:
             repair.capture_end()
         repair.reset()
 
-    def launch(self, stream: Any, event: Any, work: Work) -> None:
-        # The replay waits on the caller's stream; the caller's stream then waits on the replay.
-        caller = torch.cuda.current_stream(self.device)
-        stream.wait_stream(caller)
-        with torch.cuda.stream(stream):
-            work()
-            event.record(stream)
-        caller.wait_event(event)
+    def current_stream(self) -> Any:
+        # NOTE: the raw (id, device, type) triple, not a Stream object: building one costs
+        # about 10 us of host time on an H200 host, and only a retire needs it (record()).
+        return torch._C._cuda_getCurrentStream(self._index)
+
+    def record(self, event: Any, stream: Any) -> None:
+        stream_id, device_index, device_type = stream
+        event.record(
+            torch.cuda.Stream(
+                stream_id=stream_id, device_index=device_index, device_type=device_type
+            )
+        )
 
     def wait(self, event: Any) -> None:
         event.synchronize()  # a host wait on that event, never on the current stream
@@ -179,14 +236,16 @@ class CudaBackend:
             if tuple(seg.get("segment_pool_id", ())) == wanted
         )
 
-    def release_pool(self, pool: Any) -> None:
-        return None  # the pool's segments go back on the next trim, once its graph is reset
-
     def trim(self) -> None:
         torch.cuda.empty_cache()
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
+
+
+def _clear_blas_workspaces() -> None:
+    """Drop every cached cuBLAS / cuBLASLt workspace (PyTorch re-creates one on next use)."""
+    torch._C._cuda_clearCublasWorkspaces()
 
 
 def _cuda_device(device: torch.device | int | str | None) -> torch.device:

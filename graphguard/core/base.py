@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
 from graphguard.core.backends import Backend, CudaBackend
 from graphguard.core.cache import GraphCache
@@ -48,7 +50,8 @@ class Retirable(Protocol):
 
 def kill_switch_on() -> bool:
     """GRAPHGUARD_DISABLE=1 (read on every call) turns every graph off."""
-    return os.environ.get(KILL_SWITCH_ENV, "").strip().lower() in _TRUTHY
+    value = os.environ.get(KILL_SWITCH_ENV)
+    return value is not None and value.strip().lower() in _TRUTHY
 
 
 def resolve_backend(backend: str | Backend, device: Any = None) -> Backend | None:
@@ -60,8 +63,6 @@ def resolve_backend(backend: str | Backend, device: Any = None) -> Backend | Non
     if backend == "cuda":
         return CudaBackend(device)
     if backend == "auto":
-        import torch
-
         return CudaBackend(device) if torch.cuda.is_available() else None
     raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {backend!r}")
 
@@ -99,6 +100,8 @@ class RunnerBase:
         self.name = name
         self.verify = verify
         self.backend = resolve_backend(backend, device)
+        # the backend's device, or the CPU's when there is no backend (every call falls back)
+        self._device = self.backend.device if self.backend is not None else torch.device("cpu")
         self.strict = strict
         self.copy_outputs = copy_outputs
         self.clock = clock
@@ -135,13 +138,17 @@ class RunnerBase:
         hint = self.policy.size_hints.get(key)
         if hint is not None and hint > self._cache.max_bytes:
             return FallbackReason.OVER_BUDGET
-        expected = hint if hint is not None else self._cache.mean_entry_bytes()
-        victims = self._cache.victims_for(expected)
+        victims = self._cache.victims_for(self._expected_bytes(key))
         if victims is None:
             return FallbackReason.ADMISSION_DEFERRED
         if victims and not self.policy.worth_evicting(key, [v.key for v in victims]):
             return FallbackReason.ADMISSION_DEFERRED
         return None
+
+    def _expected_bytes(self, key: GraphKey) -> int:
+        """What a capture of `key` is expected to hold: its last size, else the mean entry's."""
+        hint = self.policy.size_hints.get(key)
+        return hint if hint is not None else self._cache.mean_entry_bytes()
 
     def _parity_error(self, key: GraphKey, graph_out: Any, eager_out: Any) -> ParityError | None:
         """The error to reject a candidate with when its output differs from eager's."""
@@ -151,22 +158,20 @@ class RunnerBase:
         return ParityError(f"graph output differs from eager for {key.describe()}: {detail}")
 
     # -- bookkeeping -----------------------------------------------------------------------
-    def _count_call(self) -> None:
-        """Every call, whatever serves it: calls == replays + fallbacks."""
-        self.metrics.calls.inc()
-        with self._stats_lock:
-            self._stats.calls += 1
-
+    # NOTE: every call is counted exactly once, as a replay or as one fallback, so
+    # calls == replays + fallbacks holds by construction.
     def _count_fallback(self, reason: FallbackReason) -> None:
+        self.metrics.calls.inc()
         self.metrics.fallbacks.labels(reason.value).inc()
         with self._stats_lock:
             fallbacks = self._stats.fallbacks
             fallbacks[reason.value] = fallbacks.get(reason.value, 0) + 1
 
     def _count_replay(self) -> None:
+        # NOTE: replays are counted under the runner's lock, so no counter lock is needed.
+        self.metrics.calls.inc()
         self.metrics.replays.inc()
-        with self._stats_lock:
-            self._stats.replays += 1
+        self._stats.replays += 1
 
     def _count_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
         """A verified capture about to be admitted: admission history and capture metrics."""
@@ -271,6 +276,7 @@ class RunnerBase:
         self._sync_gauges()  # quarantines expire with time, not with an event
         with self._stats_lock:
             stats = asdict(self._stats)
+        stats["calls"] = stats["replays"] + sum(stats["fallbacks"].values())
         stats.update(
             name=self.name,
             backend=self.backend.name if self.backend is not None else None,
@@ -279,7 +285,7 @@ class RunnerBase:
             max_bytes=self._cache.max_bytes,
             host_bytes=self._host_bytes(),
             quarantined_keys=self.policy.num_quarantined(),
-            hit_rate=round(self._stats.replays / (self._stats.calls or 1), 4),
+            hit_rate=round(stats["replays"] / (stats["calls"] or 1), 4),
             admission=asdict(self.policy.counters),
         )
         return stats

@@ -37,20 +37,29 @@ class GraphCache:
         self._on_evict = on_evict
 
     # -- lookup ----------------------------------------------------------------------------
-    @contextmanager
-    def pinned(self, key: GraphKey) -> Iterator[GraphEntry | None]:
-        """Yield the admitted entry for `key` (most recently used from now), pinned meanwhile."""
+    def acquire(self, key: GraphKey) -> GraphEntry | None:
+        """The admitted entry for `key`, most recently used from now and pinned until
+        release(); None when the key is not admitted."""
         with self.lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 entry.pin_count += 1
+            return entry
+
+    def release(self, entry: GraphEntry) -> None:
+        with self.lock:
+            entry.pin_count -= 1
+
+    @contextmanager
+    def pinned(self, key: GraphKey) -> Iterator[GraphEntry | None]:
+        """acquire() and release() around a block."""
+        entry = self.acquire(key)
         try:
             yield entry
         finally:
             if entry is not None:
-                with self.lock:
-                    entry.pin_count -= 1
+                self.release(entry)
 
     def __contains__(self, key: GraphKey) -> bool:
         with self.lock:

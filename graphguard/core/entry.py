@@ -15,6 +15,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ class PoolGroup:
     pool: Any = None
     stream: Any = None
     num_members: int = 0
+    charged_bytes: int = 0  # the pool's reserved bytes, all charged to members so far
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def join(self, backend: Backend) -> tuple[Any, Any]:
@@ -73,6 +75,7 @@ class PoolGroup:
             if self.num_members > 0:
                 return
             pool, stream, self.pool, self.stream = self.pool, self.stream, None, None
+            self.charged_bytes = 0
         backend.release_pool(pool)
         backend.release_stream(stream)
 
@@ -107,7 +110,8 @@ class GraphEntry:
         else:
             self.stream, self.pool = group.join(backend)
         self.event = backend.new_event()
-        self.has_replayed = False
+        self.replay_stream: Any = None  # the caller's stream of the last replay (None: none yet)
+        self.event_pending = False  # the event was recorded after the last staged replay
         self.graph: Any = None
         self.static_args: list[Any] = []
         self.static_outputs: Any = None
@@ -134,6 +138,10 @@ class GraphEntry:
             )
         self.owners.append(owner)
 
+    def allocating(self) -> AbstractContextManager[None]:
+        """Allocations made inside go to this entry's pool (its static inputs)."""
+        return self.backend.allocating(self.pool, self.stream)
+
     def add_staging(self, position: int, like: torch.Tensor) -> torch.Tensor:
         buffer = self.backend.pin(torch.empty_like(like, device="cpu"))
         self.staging[position] = buffer
@@ -144,36 +152,51 @@ class GraphEntry:
     def capture(self, fn: Callable[..., Any], static_args: list[Any]) -> None:
         """Capture `fn(*static_args)`; raises CaptureError (and leaves the entry to retire)."""
         self.static_args = static_args
-        before = self.backend.pool_reserved_bytes(self.pool) if self.group else 0
         started = time.perf_counter()
         self.graph, self.static_outputs = self.backend.capture(
             fn, static_args, pool=self.pool, stream=self.stream
         )
         self.capture_ms = (time.perf_counter() - started) * 1e3
-        pool_bytes = self.backend.pool_reserved_bytes(self.pool) - before
-        self.resident_bytes = pool_bytes + _external_bytes(static_args)
+        # NOTE: static inputs, warm-up blocks and the BLAS workspace all live in the pool, so
+        # its reserved segments are the whole device charge; a group member is charged the
+        # growth since the group's previous capture.
+        pool_bytes = self.backend.pool_reserved_bytes(self.pool)
+        self.resident_bytes = pool_bytes - (self.group.charged_bytes if self.group else 0)
+        if self.group is not None:
+            self.group.charged_bytes = pool_bytes
         self.state = EntryState.CAPTURED
 
     # -- replay ----------------------------------------------------------------------------
     def replay(self, copy_inputs: Callable[[], None] | None = None) -> Any:
-        """Launch one replay on the entry's stream; returns the static outputs."""
+        """Launch one replay on the caller's current stream; returns the static outputs.
+
+        The launch is ordered after the caller's earlier work by its stream, like any kernel;
+        the entry remembers that stream so that retire() can wait for the replay.
+        """
         with self.lock:
             if self.state is EntryState.RETIRED or self.graph is None:
                 raise RetiredEntryError(f"graph {self.key.describe()} is retired; it cannot replay")
-
-            def work() -> None:
-                if copy_inputs is not None:
-                    copy_inputs()
-                self.graph.replay()
-
-            self.backend.launch(self.stream, self.event, work)
-            self.has_replayed = True
+            if copy_inputs is not None:
+                copy_inputs()
+            self.graph.replay()
+            self.replay_stream = self.backend.current_stream()
+            if self.staging:
+                # NOTE: the next call's host writes into the staging buffers wait on this.
+                self.backend.record(self.event, self.replay_stream)
+                self.event_pending = True
             self.replays += 1
             return self.static_outputs
 
+    def wait_staging(self) -> None:
+        """Host-wait until the last replay's asynchronous copies out of staging are done."""
+        if self.event_pending:
+            self.backend.wait(self.event)
+
     def wait_idle(self) -> None:
-        """Host-wait for this entry's last replay (not for the caller's stream)."""
-        if self.has_replayed:
+        """Host-wait for this entry's last replay, on whichever stream it ran (an event
+        recorded there now; never the waiting thread's current stream)."""
+        if self.replay_stream is not None:
+            self.backend.record(self.event, self.replay_stream)
             self.backend.wait(self.event)
 
     # -- retirement ------------------------------------------------------------------------
@@ -234,11 +257,6 @@ def _spec(t: torch.Tensor) -> dict[str, Any]:
         "stride": list(t.stride()),
         "device": str(t.device),
     }
-
-
-def _external_bytes(static_args: list[Any]) -> int:
-    """Static inputs are allocated before capture, outside the graph's pool."""
-    return sum(t.untyped_storage().nbytes() for t in static_args if isinstance(t, torch.Tensor))
 
 
 def refers_to(root: Any, targets: tuple[Any, ...]) -> bool:

@@ -177,7 +177,8 @@ def export_manifest(
         graphs = [_graph_record(entry, backend, read) for entry in entries]
     finally:
         _unpin(runner, entries)
-    graphs.sort(key=lambda g: g["resident_bytes"], reverse=True)
+    # largest first; graphs of one pool segment each are told apart by their padded rows
+    graphs.sort(key=lambda g: (g["resident_bytes"], g.get("rows") or 0), reverse=True)
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,

@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from graphguard.core.entry import GraphEntry
-from graphguard.core.keys import Buckets, GraphKey, TensorSpec, spec_of
+from graphguard.core.keys import Buckets, GraphKey, TensorSpec
 from graphguard.core.reasons import FallbackReason
 
 
@@ -26,39 +26,60 @@ class CallPlan:
         return self.key.rows
 
 
+# How many call signatures a runner remembers the plan of before it starts afresh.
+MAX_PLANS = 1024
+
+
+def call_signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    """What a call's plan depends on: each tensor's shape, dtype and device, and every other
+    argument's value. Raises TypeError for an unhashable argument (when used as a key)."""
+    return tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def plan_call(
     args: Sequence[Any], buckets: Buckets | None, device: torch.device, stage_host: bool
 ) -> CallPlan | FallbackReason:
     """Key the call, or name the reason it cannot replay."""
-    rows = _batch_rows(args) if buckets is not None else None
-    padded: int | None = None
-    if buckets is not None:
-        if rows is None:
-            return FallbackReason.UNBUCKETED_SHAPE
-        padded = buckets.bucket_for(rows)
-        if padded is None:
-            return FallbackReason.UNBUCKETED_SHAPE
+    # NOTE: on every call's path; one pass over the arguments, no helper calls per tensor.
+    rows: int | None = None
     parts: list[Any] = []
-    for position, arg in enumerate(args):
+    for arg in args:
         if isinstance(arg, torch.Tensor):
-            if arg.device != device and not (stage_host and arg.device.type == "cpu"):
+            arg_device = arg.device
+            if arg_device != device and not (stage_host and arg_device.type == "cpu"):
                 return FallbackReason.DEVICE_MISMATCH
-            if buckets is not None and not buckets.has_pad_for(position):
-                return FallbackReason.UNSUPPORTED_INPUT  # no declared pad value for it
-            parts.append(spec_of(arg, padded if arg.dim() > 0 else None))
+            shape = arg.shape
+            if buckets is not None and shape:
+                if rows is None:
+                    rows = shape[0]
+                elif shape[0] != rows:
+                    return FallbackReason.UNBUCKETED_SHAPE  # inputs disagree on rows
+            parts.append((shape, arg.dtype, arg_device))
         else:
             try:
                 hash(arg)
             except TypeError:
                 return FallbackReason.UNSUPPORTED_INPUT
             parts.append(arg)
-    return CallPlan(GraphKey(tuple(parts), padded), rows)
+    if buckets is None:
+        return CallPlan(GraphKey(tuple(_spec(p) for p in parts)), None)
+    padded = buckets.bucket_for(rows) if rows is not None else None
+    if padded is None:
+        return FallbackReason.UNBUCKETED_SHAPE
+    for position, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor) and not buckets.has_pad_for(position):
+            return FallbackReason.UNSUPPORTED_INPUT  # no declared pad value for it
+    key = GraphKey(tuple(_spec(p, padded) for p in parts), padded)
+    return CallPlan(key, rows)
 
 
-def _batch_rows(args: Sequence[Any]) -> int | None:
-    """Dimension 0 shared by every batched tensor argument, or None if they disagree."""
-    sizes = {a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() > 0}
-    return sizes.pop() if len(sizes) == 1 else None
+def _spec(part: Any, padded: int | None = None) -> Any:
+    if not isinstance(part, tuple):
+        return part
+    shape, dtype, device = part
+    if padded is not None and shape:
+        return TensorSpec((padded, *shape[1:]), dtype, device)
+    return TensorSpec(tuple(shape), dtype, device)
 
 
 def make_static_args(
@@ -67,16 +88,18 @@ def make_static_args(
     """Allocate the entry's static inputs on its device and fill them from `args`."""
     device = entry.backend.device
     static: list[Any] = []
-    for position, (arg, part) in enumerate(zip(args, plan.key.args, strict=True)):
-        if isinstance(part, TensorSpec):
-            buffer = torch.empty(part.shape, dtype=part.dtype, device=device)
-            if part.device != device:
-                entry.add_staging(position, buffer)
-            static.append(buffer)
-        else:
-            static.append(arg)
-    entry.static_args = static
-    copy_inputs(entry, args, plan, buckets)
+    # NOTE: in the entry's pool, on its stream: the buffers are charged and freed with the graph.
+    with entry.allocating():
+        for position, (arg, part) in enumerate(zip(args, plan.key.args, strict=True)):
+            if isinstance(part, TensorSpec):
+                buffer = torch.empty(part.shape, dtype=part.dtype, device=device)
+                if part.device != device:
+                    entry.add_staging(position, buffer)
+                static.append(buffer)
+            else:
+                static.append(arg)
+        entry.static_args = static
+        copy_inputs(entry, args, plan, buckets)
     return static
 
 
@@ -87,18 +110,20 @@ def copy_inputs(
     if entry.staging:
         # NOTE: the previous replay may still be reading a staging buffer through an
         # asynchronous copy; wait for it before the host overwrites the buffer.
-        entry.wait_idle()
+        entry.wait_staging()
+    padded = plan.rows is None or plan.rows == plan.padded_rows
     for position, arg in enumerate(args):
         if not isinstance(arg, torch.Tensor):
             continue
         static = entry.static_args[position]
-        rows = plan.rows if arg.dim() > 0 else None
         staging = entry.staging.get(position)
         if staging is not None:
-            _fill(staging, arg, rows, buckets, position)
+            _fill(staging, arg, None if padded or arg.dim() == 0 else plan.rows, buckets, position)
             static.copy_(staging, non_blocking=True)
+        elif padded or arg.dim() == 0:
+            static.copy_(arg)  # the common case: the call fills its bucket
         else:
-            _fill(static, arg, rows, buckets, position)
+            _fill(static, arg, plan.rows, buckets, position)
 
 
 def _fill(
@@ -115,6 +140,12 @@ def _fill(
 def slice_outputs(outputs: Any, plan: CallPlan, copy: bool) -> Any:
     """Slice every output whose dimension 0 is the padded batch back to the real rows."""
     padded, rows = plan.padded_rows, plan.rows
+    if not copy and (rows is None or rows == padded):
+        return outputs  # nothing to slice or copy: the static outputs themselves
+    if isinstance(outputs, torch.Tensor):
+        if rows is not None and outputs.dim() > 0 and outputs.shape[0] == padded:
+            outputs = outputs[:rows]
+        return outputs.clone() if copy else outputs
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):

@@ -27,7 +27,15 @@ from graphguard.core.base import (
     resolve_backend,
 )
 from graphguard.core.entry import EntryInfo, GraphEntry
-from graphguard.core.inputs import CallPlan, copy_inputs, make_static_args, plan_call, slice_outputs
+from graphguard.core.inputs import (
+    MAX_PLANS,
+    CallPlan,
+    call_signature,
+    copy_inputs,
+    make_static_args,
+    plan_call,
+    slice_outputs,
+)
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason
@@ -114,32 +122,51 @@ class GraphRunner(RunnerBase):
         self.fn = fn
         self.buckets = buckets
         self.stage_host_inputs = stage_host_inputs
+        # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
+        # the call's signature and the runner's fixed settings, so it is remembered (bounded).
+        self._plans: dict[tuple[Any, ...], CallPlan | FallbackReason] = {}
 
     # -- the call --------------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        self._count_call()
         reason = self._gate()
-        plan: CallPlan | FallbackReason | None = None
-        if reason is None and self.backend is not None:
-            plan = plan_call(args, self.buckets, self.backend.device, self.stage_host_inputs)
-            reason = plan if isinstance(plan, FallbackReason) else None
-        if reason is None and isinstance(plan, CallPlan):
-            with self._lock:
-                if self._closed:
-                    reason = FallbackReason.CLOSED
-                else:
-                    out, reason = self._serve(args, plan)
-                    if reason is None or out is not None:
-                        # out with a reason: re-verification answered this call eagerly
-                        return out if reason is None else self._fallback(args, reason, out)
-        assert reason is not None
+        if reason is None:
+            plan = self._plan(args)
+            if isinstance(plan, FallbackReason):
+                reason = plan
+            else:
+                with self._lock:
+                    if self._closed:
+                        reason = FallbackReason.CLOSED
+                    else:
+                        out, reason = self._serve(args, plan)
+                        if reason is None:
+                            return out
+                        if out is not None:  # re-verification answered this call eagerly
+                            return self._fallback(args, reason, out)
         return self._fallback(args, reason)
+
+    def _plan(self, args: tuple[Any, ...]) -> CallPlan | FallbackReason:
+        """plan_call, remembered by the arguments' shapes, dtypes, devices and constants."""
+        try:
+            signature = call_signature(args)
+            plan = self._plans.get(signature)
+        except TypeError:  # an unhashable constant: plan_call names the reason
+            return plan_call(args, self.buckets, self._device, self.stage_host_inputs)
+        if plan is None:
+            plan = plan_call(args, self.buckets, self._device, self.stage_host_inputs)
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[signature] = plan
+        return plan
 
     def _serve(self, args: Sequence[Any], plan: CallPlan) -> tuple[Any, FallbackReason | None]:
         self.policy.record_call(plan.key)
-        with self._cache.pinned(plan.key) as entry:
-            if entry is not None:
+        entry = self._cache.acquire(plan.key)
+        if entry is not None:
+            try:
                 return self._replay(entry, args, plan)
+            finally:
+                self._cache.release(entry)
         reason = self._admission_reason(plan.key)
         if reason is not None:
             return None, reason
@@ -171,9 +198,10 @@ class GraphRunner(RunnerBase):
         self, args: Sequence[Any], plan: CallPlan, allow_evict: bool
     ) -> tuple[Any, FallbackReason | None]:
         key = plan.key
-        hint = self.policy.size_hints.get(key)
-        if hint is not None and allow_evict:
-            self._cache.make_room(hint)
+        if allow_evict:
+            # NOTE: the capture in flight reserves its expected bytes: eviction comes first, so
+            # the device never holds more than the budget while the candidate captures.
+            self._cache.make_room(self._expected_bytes(key))
         started = self.clock()
         entry = GraphEntry(key, self.backend)  # type: ignore[arg-type]
         try:

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from graphguard.core.backends import CaptureError, Work
+from graphguard.core.backends import CaptureError
 
 # Segments of a CUDA private pool come in 2 MiB steps for small allocations; the simulation
 # rounds the same way, so a 1 MiB budget admits nothing on either backend.
@@ -111,44 +112,91 @@ class SimGraph:
 
 
 class SimEvent:
+    """An event as an identity: which stream it was last recorded on, and how often."""
+
     def __init__(self) -> None:
         self.num_records = 0
+        self.stream: Any = None
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
         self.num_records += 1
+        self.stream = stream
+
+
+class SimStream:
+    """A stream as an identity, so tests can check which stream each operation used."""
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.number})"
+
+
+CALLER_STREAM = SimStream(0)
 
 
 class SimBackend:
-    """CPU stand-in with the CUDA backend's contracts (see module docstring)."""
+    """CPU stand-in with the CUDA backend's contracts (see module docstring).
+
+    It keeps what CudaBackend keeps: a pool per capture charged in whole segments (static inputs,
+    the capture's peak of live bytes and, once per pool, a `workspace_bytes` block standing for
+    the cuBLAS workspace that a CUDA capture binds inside its pool); streams created and
+    destroyed (a stream released twice is an error); events recorded on a named stream; replays
+    on the caller's stream (`current`, which tests may switch).
+    """
 
     name = "sim"
 
-    def __init__(self, segment_bytes: int = SIM_SEGMENT_BYTES):
+    def __init__(self, segment_bytes: int = SIM_SEGMENT_BYTES, workspace_bytes: int = 0):
         self.device = torch.device("cpu")
         self.segment_bytes = segment_bytes
+        self.workspace_bytes = workspace_bytes
         self._ids = itertools.count(1)
         self._pool_bytes: dict[int, int] = {}
+        self._pool_live: dict[int, int] = {}  # bytes in use inside each pool
         self.num_captures = 0
         self.num_trims = 0
-        self.released_streams: set[int] = set()
+        self.live_streams: set[SimStream] = set()
+        self.released_streams: set[SimStream] = set()
+        self.waits: list[tuple[SimEvent, Any]] = []  # (event, the stream it was recorded on)
+        self.current: Any = CALLER_STREAM
 
-    def new_stream(self) -> int:
-        return next(self._ids)
+    def new_stream(self) -> SimStream:
+        stream = SimStream(next(self._ids))
+        self.live_streams.add(stream)
+        return stream
 
     def release_stream(self, stream: Any) -> None:
+        if stream not in self.live_streams:
+            raise RuntimeError(f"{stream!r} released twice or never created")
+        self.live_streams.remove(stream)
         self.released_streams.add(stream)
 
     def new_pool(self) -> tuple[int, int]:
         pool = (0, next(self._ids))
         self._pool_bytes[pool[1]] = 0
+        self._pool_live[pool[1]] = 0
         return pool
+
+    def release_pool(self, pool: Any) -> None:
+        self._pool_bytes.pop(pool[1], None)
+        self._pool_live.pop(pool[1], None)
 
     def new_event(self) -> SimEvent:
         return SimEvent()
 
+    @contextmanager
+    def allocating(self, pool: Any, stream: Any) -> Iterator[None]:
+        if stream not in self.live_streams:
+            raise RuntimeError(f"allocation on {stream!r}, which is not live")
+        yield
+
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
     ) -> tuple[Any, Any]:
+        if stream not in self.live_streams:
+            raise RuntimeError(f"capture on {stream!r}, which is not live")
         mode = _RejectHostSync()
         try:
             with torch.no_grad(), mode:
@@ -161,19 +209,27 @@ class SimBackend:
         for t in tree_flatten(outputs)[0]:
             if isinstance(t, torch.Tensor):
                 t.fill_(float("nan") if t.is_floating_point() else -1)
-        segments = -(-mode.peak_bytes // self.segment_bytes)
-        self._pool_bytes[pool[1]] = (
-            self._pool_bytes.get(pool[1], 0) + max(1, segments) * self.segment_bytes
-        )
+        self._charge(pool[1], _tensor_bytes(args), mode.peak_bytes, _tensor_bytes(outputs))
         self.num_captures += 1
         return SimGraph(fn, args, outputs), outputs
 
-    def launch(self, stream: Any, event: Any, work: Work) -> None:
-        work()
-        event.record()
+    def _charge(self, pool: int, static_bytes: int, peak_bytes: int, output_bytes: int) -> None:
+        """Grow the pool as the CUDA allocator would: static inputs and outputs stay live, the
+        capture's peak reuses free blocks, one workspace per pool, whole segments."""
+        workspace = self.workspace_bytes if self._pool_bytes.get(pool, 0) == 0 else 0
+        live = self._pool_live.get(pool, 0) + static_bytes + workspace
+        needed = -(-(live + peak_bytes) // self.segment_bytes) * self.segment_bytes
+        self._pool_live[pool] = live + output_bytes
+        self._pool_bytes[pool] = max(self._pool_bytes.get(pool, 0), needed, self.segment_bytes)
+
+    def current_stream(self) -> Any:
+        return self.current
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
 
     def wait(self, event: Any) -> None:
-        return None  # CPU work is synchronous
+        self.waits.append((event, event.stream))  # CPU work is synchronous: nothing to wait on
 
     def reset(self, graph: Any) -> None:
         graph.reset()
@@ -181,11 +237,17 @@ class SimBackend:
     def pool_reserved_bytes(self, pool: Any) -> int:
         return self._pool_bytes.get(pool[1], 0)
 
-    def release_pool(self, pool: Any) -> None:
-        self._pool_bytes.pop(pool[1], None)
+    def reserved_bytes(self) -> int:
+        """What memory_reserved() would show of the graphs: every live pool's segments."""
+        return sum(self._pool_bytes.values())
 
     def trim(self) -> None:
         self.num_trims += 1
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
+
+
+def _tensor_bytes(values: Any) -> int:
+    tensors = [t for t in tree_flatten(values)[0] if isinstance(t, torch.Tensor)]
+    return sum(t.untyped_storage().nbytes() for t in tensors)

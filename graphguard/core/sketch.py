@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-_SEEDS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F)
+_SEEDS = (0x9E3779B97F4A7C15, 0x85EBCA77C2B2AE3D, 0xC2B2AE3D27D4EB2F, 0x27D4EB2F165667C5)
+_MIX = 0xFF51AFD7ED558CCD
+_MASK64 = (1 << 64) - 1
+_MAX_KNOWN = 4096
 
 
 class FrequencySketch:
@@ -20,13 +23,30 @@ class FrequencySketch:
         self.sample_size = sample_size or 10 * width
         self._rows = [[0] * width for _ in _SEEDS]
         self._additions = 0
+        self._known: dict[Hashable, list[int]] = {}  # slots of recent keys (bounded)
 
     def _slots(self, key: Hashable) -> list[int]:
-        return [hash((seed, key)) & (self.width - 1) for seed in _SEEDS]
+        # NOTE: one hash of the key (hashing a graph key walks its whole tuple), then one cheap
+        # multiplicative mix per row: the rows stay independent enough for count-min.
+        h = hash(key) & _MASK64
+        mask = self.width - 1
+        return [(((h ^ seed) * _MIX) & _MASK64) >> 40 & mask for seed in _SEEDS]
+
+    def _cached_slots(self, key: Hashable) -> list[int]:
+        slots = self._known.get(key)
+        if slots is None:
+            if len(self._known) >= _MAX_KNOWN:
+                self._known.clear()
+            slots = self._known[key] = self._slots(key)
+        return slots
 
     def add(self, key: Hashable) -> None:
-        for row, slot in zip(self._rows, self._slots(key), strict=True):
-            row[slot] += 1
+        a, b, c, d = self._cached_slots(key)
+        rows = self._rows
+        rows[0][a] += 1
+        rows[1][b] += 1
+        rows[2][c] += 1
+        rows[3][d] += 1
         self._additions += 1
         if self._additions >= self.sample_size:
             self._halve()

@@ -96,7 +96,6 @@ class SegmentedRunner(RunnerBase):
     # -- the call --------------------------------------------------------------------------
     def __call__(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
         """The pipeline's output carry for `inputs`; `context` goes to the eager stages only."""
-        self._count_call()
         carry = tuple(inputs)
         reason = self._gate() or self._check_inputs(carry)
         out: Carry | None = None
@@ -164,9 +163,7 @@ class SegmentedRunner(RunnerBase):
     def _capture(
         self, key: GraphKey, carry: Carry, context: Any
     ) -> tuple[Carry | None, FallbackReason | None]:
-        hint = self.policy.size_hints.get(key)
-        if hint is not None:
-            self._cache.make_room(hint)
+        self._cache.make_room(self._expected_bytes(key))  # before the capture, as GraphRunner
         started = self.clock()
         assert self.backend is not None
         group = SegmentGroup(key, self.backend, self.name)

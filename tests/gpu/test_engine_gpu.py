@@ -148,3 +148,31 @@ def test_kill_switch_mid_run_falls_back_at_the_next_step(loaded, monkeypatch):
         assert engine.graphs.stats()["replays"] == replays + 1
     finally:
         engine.shutdown()
+
+
+def settled_reserved() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def test_decode_and_prefill_graphs_charge_what_the_allocator_holds(loaded):
+    engine = make(loaded, max_graph_bytes=8 << 30)
+    try:
+        for wave in range(3):  # waves of equal prompts: the prefill key recurs and is captured
+            for index in range(4):
+                prompt = [10 + wave + index] * 12
+                engine.add_request(f"w{wave}-{index}", prompt, GREEDY)
+            while engine.has_unfinished_requests():
+                engine.step()
+        decode, prefill = engine.graphs.stats(), engine.prefill_graphs.stats()
+        charged = decode["resident_bytes"] + prefill["resident_bytes"]
+        assert decode["entries"] > 0 and prefill["groups"] > 0, (decode, prefill)
+        with_graphs = settled_reserved()
+        engine.graphs.invalidate()
+        engine.prefill_graphs.invalidate()
+        without = settled_reserved()
+        # what the graphs are charged is what the device gives back when they go
+        assert abs((with_graphs - without) - charged) <= 2 << 20, (with_graphs, without, charged)
+    finally:
+        engine.shutdown()

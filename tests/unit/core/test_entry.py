@@ -144,10 +144,26 @@ def test_owner_retained_before_a_failed_capture_is_held_until_retire():
     assert ref() is None
 
 
-def test_resident_bytes_are_pool_segments_plus_external_static_inputs():
-    backend = SimBackend(segment_bytes=1024)
+def test_resident_bytes_are_the_pools_segments_static_inputs_and_workspace_included():
+    backend = SimBackend(segment_bytes=1024, workspace_bytes=3000)
     entry = GraphEntry(GraphKey(("k",)), backend)
-    x = torch.ones(1000)  # 4000 bytes of static input, outside the pool
+    x = torch.ones(1000)  # 4000 bytes of static input, allocated in the pool
     entry.capture(lambda t: t * 2, [x])
-    assert entry.resident_bytes == backend.pool_reserved_bytes(entry.pool) + 4000
-    assert backend.pool_reserved_bytes(entry.pool) == 4096  # 4000 bytes of output, 1 KiB steps
+    # 4000 input + 3000 workspace + 4000 output = 11000 bytes, in 1 KiB segments
+    assert backend.pool_reserved_bytes(entry.pool) == 11264
+    assert entry.resident_bytes == 11264
+    entry.retire()
+    assert backend.reserved_bytes() == 0
+
+
+def test_a_group_member_is_charged_only_its_growth_of_the_shared_pool():
+    backend = SimBackend(segment_bytes=1024, workspace_bytes=3000)
+    group = PoolGroup("g")
+    first = GraphEntry(GraphKey(("a",)), backend, group)
+    first.capture(lambda t: t * 2, [torch.ones(1000)])
+    second = GraphEntry(GraphKey(("b",)), backend, group)
+    second.capture(lambda t: t + 1, [torch.ones(250)])  # 1000 + 1000 bytes more, no workspace
+    pool = backend.pool_reserved_bytes(group.pool)
+    assert first.resident_bytes == 11264
+    assert second.resident_bytes == pool - 11264 == 2048
+    assert first.resident_bytes + second.resident_bytes == pool

@@ -1,0 +1,128 @@
+"""The byte budget by the allocator's own count: memory_reserved(), not the runner's figures.
+
+Each test takes the device's reserved bytes before the graphs exist, lets the runner charge
+what it charges, and checks the allocator agrees: growth within the charge (+ one 2 MiB small
+segment of slack), and back to the baseline once the graphs are gone.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard.segmented import SegmentedRunner, Stage
+
+pytestmark = pytest.mark.gpu
+MiB = 1 << 20
+SLACK = 2 * MiB
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+NAIVE = gg.AdmissionConfig(
+    min_hits=1, frequency_aware=False, max_recaptures=1 << 30, max_capture_fraction=1.0
+)
+
+
+def settled() -> int:
+    """Reserved bytes once nothing is cached: what the device really holds."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+@pytest.fixture
+def mlp(device):
+    w = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+
+    def step(x):
+        return torch.relu(x @ w) @ w
+
+    inputs = {b: torch.randn(b, 2048, device=device, dtype=torch.bfloat16) for b in BUCKETS}
+    for x in inputs.values():
+        step(x)  # the caller's own cuBLAS workspace exists before the baseline
+    return step, inputs
+
+
+def test_eight_buckets_grow_reserved_by_no_more_than_their_charge(mlp):
+    step, inputs = mlp
+    baseline = settled()
+    runner = gg.GraphRunner(step, buckets=gg.Buckets(batch=BUCKETS), admission=NAIVE)
+    for x in inputs.values():
+        assert torch.equal(runner(x), step(x))
+        charged = runner.stats()["resident_bytes"]
+        assert settled() - baseline <= charged + SLACK, runner.stats()
+    assert runner.stats()["entries"] == len(BUCKETS)
+    charged = runner.stats()["resident_bytes"]
+    # the charge is the truth, not an upper bound: it holds every pool's workspace
+    assert settled() - baseline >= charged - SLACK
+    runner.close()
+    assert abs(settled() - baseline) <= SLACK
+
+
+def test_churn_of_eight_shapes_never_holds_more_than_the_budget(mlp):
+    step, inputs = mlp
+    probe = gg.GraphRunner(step, admission=NAIVE)
+    probe(inputs[128])
+    one = probe.stats()["resident_bytes"]
+    probe.close()
+    baseline = settled()
+    torch.cuda.reset_peak_memory_stats()
+    budget = 3 * one + one // 2
+    runner = gg.GraphRunner(step, max_bytes=budget, admission=NAIVE)
+    for i in range(48):
+        x = inputs[BUCKETS[i % len(BUCKETS)]]
+        assert torch.equal(runner(x), step(x))
+        # the allocator's own peak, so "at every instant", not only between calls
+        assert torch.cuda.max_memory_reserved() - baseline <= budget + SLACK, (i, runner.stats())
+    stats = runner.stats()
+    assert stats["evictions"] > 0 and stats["entries"] == 3, stats
+    runner.close()
+    assert abs(settled() - baseline) <= SLACK
+
+
+def test_evicting_one_entry_gives_its_bytes_back(mlp):
+    step, inputs = mlp
+    runner = gg.GraphRunner(step, admission=NAIVE)
+    runner(inputs[8])
+    with_one = settled()
+    runner(inputs[16])
+    (first, second) = runner._cache.entries()
+    assert settled() - with_one == pytest.approx(second.resident_bytes, abs=SLACK)
+    runner._cache.evict(second.key, "budget")
+    assert abs(settled() - with_one) <= SLACK
+    runner.close()
+
+
+def test_streams_are_destroyed_with_their_entries(mlp):
+    step, inputs = mlp
+    runner = gg.GraphRunner(step, admission=NAIVE)
+    runner(inputs[4])
+    (entry,) = runner._cache.entries()
+    stream = entry.stream
+    assert getattr(stream, "owned_handle", None) is not None
+    runner.close()
+    assert stream.owned_handle is None  # cudaStreamDestroy ran; nothing is kept for reuse
+
+
+def test_segment_groups_grow_reserved_by_their_charge_and_give_it_back(device):
+    w = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+    stages = [
+        Stage("proj", lambda x: (torch.relu(x @ w),)),
+        Stage("hole", lambda context, x: (x * 2,), eager=True),
+        Stage("mix", lambda x: (x @ w,)),
+    ]
+    inputs = [torch.randn(rows, 1024, device=device, dtype=torch.bfloat16) for rows in (3, 5)]
+    for x in inputs:
+        (x @ w).sum()
+    baseline = settled()
+    runner = SegmentedRunner(stages, admission=NAIVE, max_bytes=1 << 40)
+    for x in inputs:
+        (out,) = runner((x,))
+        assert torch.equal(out, runner.eager((x,))[0])
+    charged = runner.stats()["resident_bytes"]
+    assert runner.stats()["groups"] == 2
+    assert abs(settled() - baseline - charged) <= SLACK, runner.stats()
+    runner.close()
+    assert abs(settled() - baseline) <= SLACK
