@@ -1,4 +1,11 @@
-"""graphguard: bounded, verified CUDA graphs for PyTorch inference."""
+"""graphguard: bounded, verified CUDA graphs for PyTorch inference.
+
+The graph runtime is imported here; the serving engine's offline API (`graphguard.LLM`,
+`graphguard.SamplingParams`, `graphguard.CompletionOutput`) is imported on first use, so that
+`import graphguard` stays light for users of the runtime alone.
+"""
+
+from typing import Any
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import CaptureError, CudaBackend
@@ -11,10 +18,27 @@ from graphguard.core.sim import SimBackend
 
 __version__ = "0.1.0"
 
+# name -> module of the lazily imported offline API
+_LAZY = {
+    "LLM": "graphguard.engine.llm",
+    "CompletionOutput": "graphguard.engine.llm",
+    "SamplingParams": "graphguard.engine.sampling",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'graphguard' has no attribute {name!r}")
+
+
 __all__ = [
     "AdmissionConfig",
     "Buckets",
     "CaptureError",
+    "CompletionOutput",
     "CudaBackend",
     "FallbackReason",
     "GraphEntry",
@@ -22,9 +46,11 @@ __all__ = [
     "GraphMetrics",
     "GraphRunner",
     "KILL_SWITCH_ENV",
+    "LLM",
     "OwnerCycleError",
     "ParityError",
     "RetiredEntryError",
+    "SamplingParams",
     "SimBackend",
     "__version__",
 ]

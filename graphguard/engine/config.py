@@ -82,7 +82,9 @@ class EngineConfig:
     device: str = "auto"  # "auto" -> cuda if available else cpu
     dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
     enforce_eager: bool = False
-    max_graph_bytes: int = 1 << 30
+    # each graph holds its own cuBLAS workspace (32 MiB with serve's CUBLAS_WORKSPACE_CONFIG),
+    # so 2 GiB keeps every decode key of a 32-sequence server resident
+    max_graph_bytes: int = 2 << 30
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
