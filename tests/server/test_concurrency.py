@@ -52,6 +52,13 @@ def test_sixteen_concurrent_openai_streams_all_finish(server: RunningServer) -> 
         async with client:
             return await asyncio.gather(*(one(client, i) for i in range(NUM_CLIENTS)))
 
+    before = server.engine.stats()
     results = asyncio.run(run_all())
+    after = server.engine.stats()
     assert [reason for _, reason in results] == ["length"] * NUM_CLIENTS
     assert all(text for text, _ in results)
+    # served one at a time, every step would make at most one token; fewer steps than tokens
+    # means requests shared decode steps
+    steps = after["num_steps"] - before["num_steps"]
+    tokens = after["num_generated_tokens"] - before["num_generated_tokens"]
+    assert tokens == 5 * NUM_CLIENTS and steps < tokens, (steps, tokens)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.loader import LoadedModel
@@ -34,8 +35,13 @@ def ask_paris(server: RunningServer) -> str:
     return reply.choices[0].message.content or ""
 
 
-def test_greedy_answers_are_unchanged_with_graphs_on(graph_server: RunningServer) -> None:
-    assert "Paris" in ask_paris(graph_server)
+def test_greedy_answers_are_unchanged_with_graphs_on(
+    graph_server: RunningServer, server: RunningServer
+) -> None:
+    assert server.engine.graphs is None  # the reference server runs eagerly
+    answer = ask_paris(graph_server)
+    assert answer == ask_paris(server) and "Paris" in answer
+    assert graph_server.engine.graphs.stats()["replays"] > 0
 
 
 def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningServer) -> None:
@@ -46,10 +52,16 @@ def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningS
     assert body["kv_bytes"] == graph_server.engine.kv.kv_bytes
     # The prefill graphs report beside them, with the calls that reached them.
     assert body["prefill"] is not None and body["prefill"]["calls"] > 0
+    decode_keys = set(graph_server.engine.graphs.stats()) - {"prefill"}
+    assert decode_keys <= set(body)
 
 
 def test_metrics_carry_the_graph_runtime_counters(graph_server: RunningServer) -> None:
     ask_paris(graph_server)
+    text = httpx.get(f"{graph_server.base_url}/metrics").text
+    families = {f.name for f in text_string_to_metric_families(text)}
+    graph_families = {f.name for f in graph_server.engine.graphs.registry.collect()}
+    assert "graphguard_replays" in graph_families and graph_families <= families
     samples = graph_server.scrape()
     assert samples[("graphguard_replays_total", frozenset())] > 0
     assert samples[("graphguard_graph_resident_bytes", frozenset())] > 0

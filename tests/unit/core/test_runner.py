@@ -228,13 +228,21 @@ def test_retained_owners_are_kept_by_every_graph_of_the_runner(make_runner):
 
     weights = Weights()
     ref = weakref.ref(weights)
-    runner = make_runner(retain=[weights])
+    runner = make_runner(retain=[weights], buckets=gg.Buckets(batch=[2, 4]))
     runner(*inputs(2))
+    runner(*inputs(4))
+    entries = runner._cache.entries()
+    assert len(entries) == 2 and all(any(o is weights for o in e.owners) for e in entries)
+    runner._owners.clear()  # from here only the graphs hold it
     del weights
+    gc.collect()
+    assert ref() is not None  # kept alive by the graphs
+    runner._cache.evict(entries[0].key, "budget")
+    gc.collect()
+    assert ref() is not None  # the other graph still keeps it
     runner.invalidate()
     gc.collect()
-    assert ref() is not None  # the runner still holds it for future captures
-    runner.close()
+    assert ref() is None  # released with the last graph
 
 
 def test_views_of_static_outputs_are_overwritten_by_the_next_replay(make_runner):
