@@ -12,7 +12,7 @@ from graphguard.core.backends import CaptureError, CudaBackend
 from graphguard.core.entry import GraphEntry, OwnerCycleError, RetiredEntryError
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
-from graphguard.core.reasons import FallbackReason
+from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
 from graphguard.core.runner import KILL_SWITCH_ENV, GraphRunner, ParityError
 from graphguard.core.sim import SimBackend
 
@@ -38,8 +38,10 @@ __all__ = [
     "AdmissionConfig",
     "Buckets",
     "CaptureError",
+    "CaptureOutcome",
     "CompletionOutput",
     "CudaBackend",
+    "EvictionCause",
     "FallbackReason",
     "GraphEntry",
     "GraphKey",

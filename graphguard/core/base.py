@@ -24,7 +24,7 @@ from graphguard.core.backends import Backend, CudaBackend
 from graphguard.core.cache import GraphCache
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
-from graphguard.core.reasons import FallbackReason
+from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
 from graphguard.core.sim import SimBackend
 from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
 
@@ -187,18 +187,22 @@ class RunnerBase:
             self._stats.captures += 1
         if served:
             self._count_replay()
-        self.metrics.captures.labels("admitted").inc()
+        self.metrics.captures.labels(CaptureOutcome.ADMITTED.value).inc()
         self._sync_gauges()
 
     def _reject(
-        self, candidate: Retirable, outcome: str, reason: FallbackReason, error: Exception | None
+        self,
+        candidate: Retirable,
+        outcome: CaptureOutcome,
+        reason: FallbackReason,
+        error: Exception | None,
     ) -> FallbackReason:
         """Retire a candidate that failed capture, parity or the budget; quarantine failures."""
         candidate.retire()
         assert self.backend is not None
         self.backend.trim()
-        self.metrics.captures.labels(outcome).inc()
-        if outcome == "over_budget":
+        self.metrics.captures.labels(outcome.value).inc()
+        if outcome is CaptureOutcome.OVER_BUDGET:
             log.info(
                 "graphguard over_budget key=%s bytes=%d budget=%d runner=%s",
                 candidate.key.describe(), candidate.resident_bytes, self._cache.max_bytes,
@@ -206,7 +210,7 @@ class RunnerBase:
             )  # fmt: skip
             return reason
         with self._stats_lock:
-            if outcome == "failed":
+            if outcome is CaptureOutcome.FAILED:
                 self._stats.capture_failures += 1
             else:
                 self._stats.parity_mismatches += 1
@@ -222,20 +226,20 @@ class RunnerBase:
             "graphguard quarantine key=%s backoff_s=%.1f why=%s", key.describe(), delay, why
         )
 
-    def _on_evict(self, entry: Any, cause: str) -> None:
+    def _on_evict(self, entry: Any, cause: EvictionCause) -> None:
         with self._stats_lock:
             self._stats.evictions += 1
-        self.metrics.evictions.labels(cause).inc()
-        if cause == "budget":
+        self.metrics.evictions.labels(cause.value).inc()
+        if cause is EvictionCause.BUDGET:
             self.policy.record_eviction(entry.key)
-        if cause in ("budget", "reverify") and self.backend is not None:
+        if cause in (EvictionCause.BUDGET, EvictionCause.REVERIFY) and self.backend is not None:
             # NOTE: the evicted pool is released; trimming hands its reserved bytes back now,
             # so the device really holds no more than the budget says.
             self.backend.trim()
         self._sync_gauges()
 
     # -- lifecycle and introspection -------------------------------------------------------
-    def invalidate(self, cause: str = "invalidate") -> int:
+    def invalidate(self, cause: EvictionCause | str = EvictionCause.INVALIDATE) -> int:
         """Retire every graph (weights reloaded, say). Returns how many were retired."""
         with self._lock:
             count = self._cache.clear(cause)
@@ -248,7 +252,7 @@ class RunnerBase:
         with self._lock:
             if self._closed:
                 return
-            self.invalidate("close")
+            self.invalidate(EvictionCause.CLOSE)
             self._closed = True
             self.metrics.budget_bytes.dec(self._cache.max_bytes)
 

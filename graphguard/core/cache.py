@@ -18,10 +18,11 @@ from contextlib import contextmanager
 
 from graphguard.core.entry import EntryState, GraphEntry
 from graphguard.core.keys import GraphKey
+from graphguard.core.reasons import EvictionCause
 
 log = logging.getLogger("graphguard")
 
-EvictHook = Callable[[GraphEntry, str], None]
+EvictHook = Callable[[GraphEntry, EvictionCause], None]
 
 
 class GraphCache:
@@ -113,7 +114,7 @@ class GraphCache:
             if victims is None:
                 return False
             for victim in victims:
-                self._remove(victim, "budget")
+                self._remove(victim, EvictionCause.BUDGET)
             self._entries[entry.key] = entry
             self._resident_bytes += entry.resident_bytes
             entry.state = EntryState.ADMITTED
@@ -124,11 +125,12 @@ class GraphCache:
         """Evict ahead of a capture whose size is known, so the candidate never overshoots."""
         with self.lock:
             for victim in self.victims_for(num_bytes) or []:
-                self._remove(victim, "budget")
+                self._remove(victim, EvictionCause.BUDGET)
 
-    def evict(self, key: GraphKey, cause: str) -> bool:
+    def evict(self, key: GraphKey, cause: EvictionCause | str) -> bool:
         """Evict one key if admitted, pinned or not (reverify and tests force it). True if
         removed; a replay in flight finishes first, since retire waits on its event."""
+        cause = EvictionCause(cause)  # a closed set: an unknown cause is a ValueError
         with self.lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -136,15 +138,16 @@ class GraphCache:
             self._remove(entry, cause)
             return True
 
-    def clear(self, cause: str) -> int:
+    def clear(self, cause: EvictionCause | str) -> int:
         """Retire every entry (close, reload). Returns how many were retired."""
+        cause = EvictionCause(cause)
         with self.lock:
             entries = list(self._entries.values())
             for entry in entries:
                 self._remove(entry, cause)
             return len(entries)
 
-    def _remove(self, entry: GraphEntry, cause: str) -> None:
+    def _remove(self, entry: GraphEntry, cause: EvictionCause) -> None:
         del self._entries[entry.key]
         self._resident_bytes -= entry.resident_bytes
         entry.retire()

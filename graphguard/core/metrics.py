@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from graphguard.core.reasons import ALL_REASONS
+from graphguard.core.reasons import ALL_REASONS, CaptureOutcome, EvictionCause
 
-CAPTURE_OUTCOMES = ("admitted", "failed", "parity_mismatch", "over_budget")
-EVICTION_CAUSES = ("budget", "reverify", "invalidate", "close")
 PREWARM_OUTCOMES = ("prewarmed", "skipped")
 PREWARM_REFUSALS = ("unreadable", "version", "torch", "device", "model")
 
@@ -69,9 +67,9 @@ class GraphMetrics:
             self.prewarm_keys.labels(outcome)
         for refusal in PREWARM_REFUSALS:
             self.prewarm_refusals.labels(refusal)
-        for outcome in CAPTURE_OUTCOMES:
-            self.captures.labels(outcome)
+        for outcome in CaptureOutcome:
+            self.captures.labels(outcome.value)
         for reason in ALL_REASONS:
             self.fallbacks.labels(reason.value)
-        for cause in EVICTION_CAUSES:
-            self.evictions.labels(cause)
+        for cause in EvictionCause:
+            self.evictions.labels(cause.value)

@@ -29,3 +29,21 @@ class FallbackReason(enum.StrEnum):
 
 
 ALL_REASONS: tuple[FallbackReason, ...] = tuple(FallbackReason)
+
+
+class CaptureOutcome(enum.StrEnum):
+    """How a capture ended (the label values of `graphguard_captures_total`)."""
+
+    ADMITTED = "admitted"  # verified and admitted to the cache
+    FAILED = "failed"  # the capture (or a warm-up) raised; the key is quarantined
+    PARITY_MISMATCH = "parity_mismatch"  # the first replay differed from eager; quarantined
+    OVER_BUDGET = "over_budget"  # the graph alone does not fit the budget
+
+
+class EvictionCause(enum.StrEnum):
+    """Why an admitted graph was retired (the label values of `graphguard_evictions_total`)."""
+
+    BUDGET = "budget"  # room for another graph
+    REVERIFY = "reverify"  # a periodic re-verification found it drifting
+    INVALIDATE = "invalidate"  # every graph retired: new weights, say
+    CLOSE = "close"  # the runner closed

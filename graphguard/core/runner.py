@@ -38,7 +38,7 @@ from graphguard.core.inputs import (
 )
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
-from graphguard.core.reasons import FallbackReason
+from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
 from graphguard.core.verify import VerifyConfig
 
 log = logging.getLogger("graphguard")
@@ -186,7 +186,7 @@ class GraphRunner(RunnerBase):
             eager = self.fn(*entry.static_args)
             error = self._parity_error(entry.key, outputs, eager)
             if error is not None:
-                self._cache.evict(entry.key, "reverify")
+                self._cache.evict(entry.key, EvictionCause.REVERIFY)
                 self._stats.parity_mismatches += 1
                 self._quarantine(entry.key, f"drift on re-verification: {error}")
                 return slice_outputs(eager, plan, copy=False), FallbackReason.PARITY_MISMATCH
@@ -214,7 +214,8 @@ class GraphRunner(RunnerBase):
         self._count_capture(key, self.clock() - started, entry.resident_bytes)
         fits = self._cache.victims_for(entry.resident_bytes) == [] or allow_evict
         if not (fits and self._cache.admit(entry)):
-            return None, self._reject(entry, "over_budget", FallbackReason.OVER_BUDGET, None)
+            over = CaptureOutcome.OVER_BUDGET
+            return None, self._reject(entry, over, FallbackReason.OVER_BUDGET, None)
         self._count_admitted(served=allow_evict)
         log.info(
             "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
@@ -234,13 +235,15 @@ class GraphRunner(RunnerBase):
                 entry.retain(owner)
             entry.capture(self.fn, make_static_args(entry, args, plan, self.buckets))
         except CaptureError as exc:
-            return None, self._reject(entry, "failed", FallbackReason.CAPTURE_FAILED, exc)
+            failed = CaptureOutcome.FAILED
+            return None, self._reject(entry, failed, FallbackReason.CAPTURE_FAILED, exc)
         outputs = entry.replay()
         if self.verify.enabled:
             error = self._parity_error(entry.key, outputs, self.fn(*entry.static_args))
             if error is not None:
                 mismatch = FallbackReason.PARITY_MISMATCH
-                return None, self._reject(entry, "parity_mismatch", mismatch, error)
+                outcome = CaptureOutcome.PARITY_MISMATCH
+                return None, self._reject(entry, outcome, mismatch, error)
             entry.verified = self.verify.mode
         return outputs, None
 

@@ -26,6 +26,7 @@ from graphguard.core.export import export_manifest, model_identity
 from graphguard.core.keys import Buckets
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.prewarm import prewarm
+from graphguard.core.reasons import EvictionCause
 from graphguard.core.runner import GraphRunner, WarmupReport, kill_switch_on
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.kv import PagedKVStorage
@@ -138,7 +139,7 @@ class DecodeGraphs:
 
     def invalidate(self) -> None:
         """Retire every graph (new weights): called before the weights change."""
-        count = self.runner.invalidate("invalidate")
+        count = self.runner.invalidate(EvictionCause.INVALIDATE)
         log.info("graphguard decode graphs invalidated: %d retired", count)
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.reasons import EvictionCause
 from graphguard.engine.attention import AttentionMetadata, paged_attention
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
@@ -178,7 +179,7 @@ class PrefillGraphs:
 
     def invalidate(self) -> None:
         """Retire every group (new weights): called before the weights change."""
-        count = self.runner.invalidate("invalidate")
+        count = self.runner.invalidate(EvictionCause.INVALIDATE)
         log.info("graphguard prefill graphs invalidated: %d groups retired", count)
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from graphguard.core.base import RunnerBase
 from graphguard.core.entry import GraphEntry
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
-from graphguard.core.reasons import FallbackReason
+from graphguard.core.reasons import CaptureOutcome, FallbackReason
 from graphguard.core.verify import VerifyConfig
 from graphguard.segmented.group import (
     GroupInfo,
@@ -172,10 +172,12 @@ class SegmentedRunner(RunnerBase):
                 group, self.pieces, carry, context, self._owners, self._cache.max_bytes
             )
         except CaptureError as exc:
-            return None, self._reject(group, "failed", FallbackReason.CAPTURE_FAILED, exc)
+            failed = CaptureOutcome.FAILED
+            return None, self._reject(group, failed, FallbackReason.CAPTURE_FAILED, exc)
         except GroupOverBudget:
             self.policy.size_hints[key] = group.resident_bytes
-            return None, self._reject(group, "over_budget", FallbackReason.OVER_BUDGET, None)
+            over = CaptureOutcome.OVER_BUDGET
+            return None, self._reject(group, over, FallbackReason.OVER_BUDGET, None)
         except BaseException:
             group.retire()  # an eager stage raised mid-capture: release the partial group
             raise
@@ -185,7 +187,8 @@ class SegmentedRunner(RunnerBase):
             error = self._parity_error(key, out, eager)
             if error is not None:
                 mismatch = FallbackReason.PARITY_MISMATCH
-                return eager, self._reject(group, "parity_mismatch", mismatch, error)
+                outcome = CaptureOutcome.PARITY_MISMATCH
+                return eager, self._reject(group, outcome, mismatch, error)
         return self._admit(group, out, eager, self.clock() - started)
 
     def _admit(
@@ -194,7 +197,8 @@ class SegmentedRunner(RunnerBase):
         key = group.key
         self._count_capture(key, seconds, group.resident_bytes)
         if not self._cache.admit(cast(GraphEntry, group)):
-            return eager, self._reject(group, "over_budget", FallbackReason.OVER_BUDGET, None)
+            over = CaptureOutcome.OVER_BUDGET
+            return eager, self._reject(group, over, FallbackReason.OVER_BUDGET, None)
         group.mark_admitted(self.verify.mode if self.verify.enabled else "off")
         group.replays += 1  # the verified first replay serves this call
         self._count_admitted()
