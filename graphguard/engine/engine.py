@@ -10,6 +10,7 @@ import random
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -309,6 +310,33 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self.lifecycle_lock:
             return bool(self._seqs or self._pending)
+
+    # -- what the server shows of the graphs (safe from any thread) --------------------------
+    @property
+    def graphs_off_reason(self) -> str | None:
+        """Why decode runs eagerly (None while graphs are on)."""
+        if self.graphs is not None:
+            return None
+        # NOTE: the engine sets one of graphs and graphs_disabled_reason when it starts;
+        # neither is left once it has shut down.
+        return self.graphs_disabled_reason or "the engine is shut down"
+
+    @property
+    def graph_registry(self) -> Any:
+        """The Prometheus registry of the decode and prefill graphs, or None when graphs are off."""
+        graphs = self.graphs
+        return graphs.registry if graphs is not None else None
+
+    def graphs_report(self) -> dict[str, Any]:
+        """The resident graphs as /v1/graphs shows them: decode stats with the prefill graphs'
+        under "prefill", or {"enabled": False, "reason": ...}. Takes the graph runners' locks,
+        not the engine's: call it off the event loop."""
+        graphs, prefill = self.graphs, self.prefill_graphs
+        if graphs is None:
+            return {"enabled": False, "reason": self.graphs_off_reason}
+        report = graphs.stats()
+        report["prefill"] = prefill.stats() if prefill is not None else None
+        return report
 
     def stats(self) -> dict:
         """A snapshot of queue lengths, KV use and counters."""
