@@ -15,8 +15,7 @@ from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
 from graphguard.core.runner import KILL_SWITCH_ENV, GraphRunner, ParityError
 from graphguard.core.sim import SimBackend
-
-__version__ = "0.1.0"
+from graphguard.version import __version__
 
 # name -> module of the lazily imported offline API
 _LAZY = {

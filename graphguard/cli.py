@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if args[0] == "--version":
-        from graphguard import __version__
+        from graphguard.version import __version__
 
         print(f"graphguard {__version__}")
         return 0

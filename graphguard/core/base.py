@@ -1,85 +1,67 @@
-"""What every runner of graphs shares: the gate, admission, the byte-budget cache, the
-bookkeeping of captures, rejections and evictions, and the lifecycle (invalidate, close).
+"""What every runner of graphs shares: the flow of a call, the gate, admission, the byte-budget
+cache, the bookkeeping of captures, rejections and evictions, and the lifecycle.
 
-GraphRunner keys single graphs; SegmentedRunner keys groups of segment graphs. Both subclass
-RunnerBase so that one set of rules (deny by default, one FallbackReason per fallback, the
-admission policy, quarantine, metrics) serves both.
+GraphRunner keys single graphs; SegmentedRunner keys groups of segment graphs. RunnerBase owns
+the one flow of a call (gate, plan, then under the lock replay or capture, else exactly one
+FallbackReason), so one set of rules (deny by default, the admission policy, quarantine,
+metrics) serves both. A runner implements the flow's hooks: planning a call into a key,
+replaying an admitted entry, capturing and verifying a candidate, answering a call eagerly.
 
 Lock order: an engine's lifecycle lock, then the runner's lock, then its cache's lock.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
 import threading
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
-from graphguard.core.backends import Backend, CudaBackend
-from graphguard.core.cache import GraphCache
+from graphguard.core.backends import Backend
+from graphguard.core.cache import GraphCache, Retirable
+from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
-from graphguard.core.metrics import GraphMetrics
+from graphguard.core.metrics import GraphMetrics, RunnerCounts
 from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
-from graphguard.core.sim import SimBackend
-from graphguard.core.verify import VerifyConfig, describe_mismatch, outputs_match
+from graphguard.core.switch import kill_switch_on, resolve_backend
+from graphguard.core.verify import VerifyConfig
 
 log = logging.getLogger("graphguard")
 
-KILL_SWITCH_ENV = "GRAPHGUARD_DISABLE"
-_TRUTHY = {"1", "true", "yes", "on"}
+# The reason a call falls back with when its capture ends in each rejected outcome.
+_REJECTED = {
+    CaptureOutcome.FAILED: FallbackReason.CAPTURE_FAILED,
+    CaptureOutcome.PARITY_MISMATCH: FallbackReason.PARITY_MISMATCH,
+    CaptureOutcome.OVER_BUDGET: FallbackReason.OVER_BUDGET,
+}
+
+E = TypeVar("E", bound=Retirable)  # what the runner's cache holds: an entry, or a group
+C = TypeVar("C")  # one call's arguments, as the runner's hooks read them
 
 
-class ParityError(RuntimeError):
-    """Raised in strict mode when a graph's output differs from eager."""
+class CaptureMode(enum.Enum):
+    """Why a key is captured, which decides how its graph may enter the cache."""
 
-
-class Retirable(Protocol):
-    """A graph entry or a group of segment graphs."""
-
-    @property
-    def key(self) -> GraphKey: ...
-    @property
-    def resident_bytes(self) -> int: ...
-    def retire(self) -> bool: ...
-
-
-def kill_switch_on() -> bool:
-    """GRAPHGUARD_DISABLE=1 (read on every call) turns every graph off."""
-    value = os.environ.get(KILL_SWITCH_ENV)
-    return value is not None and value.strip().lower() in _TRUTHY
-
-
-def resolve_backend(backend: str | Backend, device: Any = None) -> Backend | None:
-    """ "auto" is CUDA when present and None (every call falls back with no_cuda) otherwise."""
-    if not isinstance(backend, str):
-        return backend
-    if backend == "sim":
-        return SimBackend()
-    if backend == "cuda":
-        return CudaBackend(device)
-    if backend == "auto":
-        return CudaBackend(device) if torch.cuda.is_available() else None
-    raise ValueError(f"backend must be 'auto', 'cuda', 'sim' or a Backend, got {backend!r}")
+    ON_CALL = "on_call"  # a call earned it: it may evict, and its first replay answers the call
+    WARMUP = "warmup"  # warm-up or prewarm: it takes free room only, and answers no call
 
 
 @dataclass
-class RunnerStats:
-    calls: int = 0
-    replays: int = 0
-    captures: int = 0
-    capture_failures: int = 0
-    parity_mismatches: int = 0
-    evictions: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
+class WarmupReport:
+    captured: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # key -> reason
+    seconds: float = 0.0
 
 
-class RunnerBase:
-    """Shared state and rules of graph runners (see module docstring)."""
+class RunnerBase(ABC, Generic[E, C]):
+    """Shared state, flow and rules of graph runners (see module docstring)."""
 
     def __init__(
         self,
@@ -108,16 +90,113 @@ class RunnerBase:
         self.enabled = enabled
         self.metrics = metrics if metrics is not None else GraphMetrics()
         self.policy = AdmissionPolicy(admission or AdmissionConfig(), clock)
-        self._cache = GraphCache(max_bytes, on_evict=self._on_evict)
+        self._cache: GraphCache[E] = GraphCache(max_bytes, on_evict=self._on_evict)
         self._owners = list(retain)
         self._lock = threading.RLock()
         self._closed = False
-        self._stats = RunnerStats()
-        # NOTE: fallbacks are counted outside the runner's lock (eager work runs unlocked), so
-        # the counters have a small lock of their own.
-        self._stats_lock = threading.Lock()
-        self._gauge_last = (0, 0, 0, 0)  # resident bytes, graphs, host bytes, quarantined keys
+        self._counts = RunnerCounts(self.metrics)
         self.metrics.budget_bytes.inc(max_bytes)
+
+    # -- the flow of a call ----------------------------------------------------------------
+    def _run(self, call: C) -> Any:
+        """Replay the graph `call` maps to, or answer it eagerly with exactly one reason."""
+        reason = self._gate()
+        if reason is None:
+            plan = self._plan(call)
+            if isinstance(plan, FallbackReason):
+                reason = plan
+            else:
+                with self._lock:
+                    if self._closed:
+                        reason = FallbackReason.CLOSED
+                    else:
+                        out, reason = self._serve(call, plan)
+                        if reason is None:
+                            return out
+                        if out is not None:  # an eager run already answered this call
+                            return self._fallback(call, reason, out)
+        return self._fallback(call, reason, None)  # NOTE: eager work runs unlocked
+
+    def _serve(self, call: C, plan: CallPlan) -> tuple[Any, FallbackReason | None]:
+        key = plan.key
+        self.policy.record_call(key)
+        entry = self._cache.acquire(key)
+        if entry is not None:
+            try:
+                return self._replay(entry, call, plan)
+            finally:
+                self._cache.release(entry)
+        reason = self._admission_reason(key)
+        if reason is not None:
+            return None, reason
+        return self._capture(call, plan, CaptureMode.ON_CALL)
+
+    def _fallback(self, call: C, reason: FallbackReason, out: Any) -> Any:
+        self._counts.fallback(reason)
+        return out if out is not None else self._eager(call)
+
+    def _capture(
+        self, call: C, plan: CallPlan, mode: CaptureMode
+    ) -> tuple[Any, FallbackReason | None]:
+        """Capture `plan.key` on `call`, check it against eager and admit it (see CaptureMode).
+
+        Returns (the call's answer, None), or (an eager answer or None, the reason it fell back).
+        """
+        key = plan.key
+        if mode is CaptureMode.ON_CALL:
+            # NOTE: the capture in flight reserves its expected bytes: eviction comes first, so
+            # the device never holds more than the budget while the candidate captures.
+            self._cache.make_room(self._expected_bytes(key))
+        started = self.clock()
+        candidate = self._new_candidate(key)
+        try:
+            outputs, eager, reason = self._capture_verified(candidate, call, plan)
+        except BaseException:
+            candidate.retire()  # whatever escapes, the candidate's stream and pool go back
+            raise
+        if reason is not None:
+            return eager, reason
+        self._count_capture(key, self.clock() - started, candidate.resident_bytes)
+        # NOTE: a warm-up capture never evicts: it must not displace graphs that calls earned.
+        size = candidate.resident_bytes
+        fits = mode is CaptureMode.ON_CALL or self._cache.victims_for(size) == []
+        if not (fits and self._cache.admit(candidate)):
+            return eager, self._reject(candidate, CaptureOutcome.OVER_BUDGET, None)
+        self._counts.capture(CaptureOutcome.ADMITTED)
+        if mode is CaptureMode.ON_CALL:
+            self._counts.replay()  # the verified first replay answers this call
+        self._sync_gauges()
+        return self._admitted(candidate, outputs, plan), None
+
+    # -- hooks of the flow -----------------------------------------------------------------
+    @abstractmethod
+    def _plan(self, call: C) -> CallPlan | FallbackReason:
+        """The key `call` maps to (with its real rows), or why it cannot replay."""
+
+    @abstractmethod
+    def _replay(self, entry: E, call: C, plan: CallPlan) -> tuple[Any, FallbackReason | None]:
+        """Replay a pinned admitted entry: (answer, None), or (an answer or None, reason) when
+        the call counts as a fallback. Counts its replays (self._counts.replay())."""
+
+    @abstractmethod
+    def _new_candidate(self, key: GraphKey) -> E:
+        """An empty entry for `key`, owning its pool and stream until it retires."""
+
+    @abstractmethod
+    def _capture_verified(
+        self, candidate: E, call: C, plan: CallPlan
+    ) -> tuple[Any, Any, FallbackReason | None]:
+        """Capture `candidate` on `call` and compare its first replay with eager: (graph
+        outputs, eager outputs if they answer the call else None, None); or, the candidate
+        rejected (self._reject), (None, eager outputs or None, the reason)."""
+
+    @abstractmethod
+    def _admitted(self, candidate: E, outputs: Any, plan: CallPlan) -> Any:
+        """An admitted candidate's first outputs as the call's answer (and its log line)."""
+
+    @abstractmethod
+    def _eager(self, call: C) -> Any:
+        """The call's answer without graphs."""
 
     # -- deciding --------------------------------------------------------------------------
     def _gate(self) -> FallbackReason | None:
@@ -150,29 +229,7 @@ class RunnerBase:
         hint = self.policy.size_hints.get(key)
         return hint if hint is not None else self._cache.mean_entry_bytes()
 
-    def _parity_error(self, key: GraphKey, graph_out: Any, eager_out: Any) -> ParityError | None:
-        """The error to reject a candidate with when its output differs from eager's."""
-        if outputs_match(graph_out, eager_out, self.verify):
-            return None
-        detail = describe_mismatch(graph_out, eager_out)
-        return ParityError(f"graph output differs from eager for {key.describe()}: {detail}")
-
     # -- bookkeeping -----------------------------------------------------------------------
-    # NOTE: every call is counted exactly once, as a replay or as one fallback, so
-    # calls == replays + fallbacks holds by construction.
-    def _count_fallback(self, reason: FallbackReason) -> None:
-        self.metrics.calls.inc()
-        self.metrics.fallbacks.labels(reason.value).inc()
-        with self._stats_lock:
-            fallbacks = self._stats.fallbacks
-            fallbacks[reason.value] = fallbacks.get(reason.value, 0) + 1
-
-    def _count_replay(self) -> None:
-        # NOTE: replays are counted under the runner's lock, so no counter lock is needed.
-        self.metrics.calls.inc()
-        self.metrics.replays.inc()
-        self._stats.replays += 1
-
     def _count_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
         """A verified capture about to be admitted: admission history and capture metrics."""
         backoffs = self.policy.counters.thrash_backoffs
@@ -180,44 +237,26 @@ class RunnerBase:
         self.metrics.thrash_backoffs.inc(self.policy.counters.thrash_backoffs - backoffs)
         self.metrics.capture_seconds.observe(seconds)
 
-    def _count_admitted(self, served: bool = True) -> None:
-        """An admitted capture; `served` when its verified first replay answered a call
-        (warm-up and prewarm captures answer none)."""
-        with self._stats_lock:
-            self._stats.captures += 1
-        if served:
-            self._count_replay()
-        self.metrics.captures.labels(CaptureOutcome.ADMITTED.value).inc()
-        self._sync_gauges()
-
     def _reject(
-        self,
-        candidate: Retirable,
-        outcome: CaptureOutcome,
-        reason: FallbackReason,
-        error: Exception | None,
+        self, candidate: E, outcome: CaptureOutcome, error: Exception | None
     ) -> FallbackReason:
-        """Retire a candidate that failed capture, parity or the budget; quarantine failures."""
+        """Retire a candidate that failed capture, parity or the budget; quarantine failures.
+        Returns the reason its call falls back with."""
         candidate.retire()
         assert self.backend is not None
         self.backend.trim()
-        self.metrics.captures.labels(outcome.value).inc()
+        self._counts.capture(outcome)
         if outcome is CaptureOutcome.OVER_BUDGET:
             log.info(
                 "graphguard over_budget key=%s bytes=%d budget=%d runner=%s",
                 candidate.key.describe(), candidate.resident_bytes, self._cache.max_bytes,
                 self.name,
             )  # fmt: skip
-            return reason
-        with self._stats_lock:
-            if outcome is CaptureOutcome.FAILED:
-                self._stats.capture_failures += 1
-            else:
-                self._stats.parity_mismatches += 1
-        self._quarantine(candidate.key, f"{outcome}: {error}")
-        if self.strict and error is not None:
-            raise error
-        return reason
+        else:
+            self._quarantine(candidate.key, f"{outcome}: {error}")
+            if self.strict and error is not None:
+                raise error
+        return _REJECTED[outcome]
 
     def _quarantine(self, key: GraphKey, why: str) -> None:
         delay = self.policy.quarantine(key)
@@ -226,10 +265,8 @@ class RunnerBase:
             "graphguard quarantine key=%s backoff_s=%.1f why=%s", key.describe(), delay, why
         )
 
-    def _on_evict(self, entry: Any, cause: EvictionCause) -> None:
-        with self._stats_lock:
-            self._stats.evictions += 1
-        self.metrics.evictions.labels(cause.value).inc()
+    def _on_evict(self, entry: E, cause: EvictionCause) -> None:
+        self._counts.eviction(cause)
         if cause is EvictionCause.BUDGET:
             self.policy.record_eviction(entry.key)
         if cause in (EvictionCause.BUDGET, EvictionCause.REVERIFY) and self.backend is not None:
@@ -237,6 +274,11 @@ class RunnerBase:
             # so the device really holds no more than the budget says.
             self.backend.trim()
         self._sync_gauges()
+
+    def _sync_gauges(self) -> None:
+        cache, policy = self._cache, self.policy
+        graphs, host_bytes = self._num_graphs(), self._host_bytes()
+        self._counts.move_gauges(cache.resident_bytes, graphs, host_bytes, policy.num_quarantined())
 
     # -- lifecycle and introspection -------------------------------------------------------
     def invalidate(self, cause: EvictionCause | str = EvictionCause.INVALIDATE) -> int:
@@ -256,31 +298,36 @@ class RunnerBase:
             self._closed = True
             self.metrics.budget_bytes.dec(self._cache.max_bytes)
 
+    @property
+    def max_bytes(self) -> int:
+        """The resident byte budget of this runner's graphs."""
+        return self._cache.max_bytes
+
+    @contextmanager
+    def resident(self) -> Iterator[list[E]]:
+        """The admitted entries, least recently used first, pinned until the block ends.
+
+        They are pinned under this runner's lock (between calls), which is let go before the
+        block runs: calls replay meanwhile and eviction skips the pinned entries. Invalidate
+        and close still retire them, each under the entry's own lock, which a reader of an
+        entry takes too (export does). Nothing here resets or re-captures a graph.
+        """
+        with self._lock:
+            entries = self._cache.acquire_all()
+        try:
+            yield entries
+        finally:
+            self._cache.release_all(entries)
+
     def _num_graphs(self) -> int:
         return len(self._cache)
 
     def _host_bytes(self) -> int:
-        return sum(getattr(e, "host_bytes", 0) for e in self._cache.entries())
-
-    def _sync_gauges(self) -> None:
-        # NOTE: gauges may be shared by several runners, so they move by this runner's delta.
-        now = (
-            self._cache.resident_bytes,
-            self._num_graphs(),
-            self._host_bytes(),
-            self.policy.num_quarantined(),
-        )
-        last, self._gauge_last = self._gauge_last, now
-        self.metrics.resident_bytes.inc(now[0] - last[0])
-        self.metrics.entries.inc(now[1] - last[1])
-        self.metrics.host_bytes.inc(now[2] - last[2])
-        self.metrics.quarantined.inc(now[3] - last[3])
+        return sum(entry.host_bytes for entry in self._cache.entries())
 
     def _base_stats(self) -> dict[str, Any]:
         self._sync_gauges()  # quarantines expire with time, not with an event
-        with self._stats_lock:
-            stats = asdict(self._stats)
-        stats["calls"] = stats["replays"] + sum(stats["fallbacks"].values())
+        stats = self._counts.snapshot()
         stats.update(
             name=self.name,
             backend=self.backend.name if self.backend is not None else None,

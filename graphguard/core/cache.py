@@ -1,7 +1,8 @@
 """GraphCache: admitted graphs under a byte budget, least recently used first out.
 
 Invariant: after every operation the resident bytes of the admitted entries sum to at most
-`max_bytes`. Entries pinned by an in-progress replay are never evicted.
+`max_bytes`. Entries pinned (by an in-progress replay, or by a reader such as export) are never
+evicted. The cache holds Retirable units: a GraphEntry, or a SegmentGroup evicted whole.
 
 Lock order (written here because this is where the lock lives): an engine's lifecycle lock,
 then the runner's replay lock, then this cache's lock. Code holding the cache lock never takes
@@ -15,30 +16,51 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Generic, Protocol, TypeVar
 
-from graphguard.core.entry import EntryState, GraphEntry
+from graphguard.core.entry import EntryState
 from graphguard.core.keys import GraphKey
 from graphguard.core.reasons import EvictionCause
 
 log = logging.getLogger("graphguard")
 
-EvictHook = Callable[[GraphEntry, EvictionCause], None]
+
+class Retirable(Protocol):
+    """What the cache holds: a GraphEntry, or a SegmentGroup of segment graphs (one unit)."""
+
+    # NOTE: the cache writes these two, under its lock: the pins of a replay or a reader, and
+    # the ADMITTED state on admission.
+    pin_count: int
+    state: EntryState
+
+    @property
+    def key(self) -> GraphKey: ...
+    @property
+    def resident_bytes(self) -> int: ...
+    @property
+    def host_bytes(self) -> int: ...
+    @property
+    def replays(self) -> int: ...
+    def retire(self) -> bool: ...
 
 
-class GraphCache:
+E = TypeVar("E", bound=Retirable)
+
+
+class GraphCache(Generic[E]):
     """Admitted entries by key, in least-recently-used order."""
 
-    def __init__(self, max_bytes: int, on_evict: EvictHook | None = None):
+    def __init__(self, max_bytes: int, on_evict: Callable[[E, EvictionCause], None] | None = None):
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self.lock = threading.RLock()
-        self._entries: OrderedDict[GraphKey, GraphEntry] = OrderedDict()
+        self._entries: OrderedDict[GraphKey, E] = OrderedDict()
         self._resident_bytes = 0
         self._on_evict = on_evict
 
     # -- lookup ----------------------------------------------------------------------------
-    def acquire(self, key: GraphKey) -> GraphEntry | None:
+    def acquire(self, key: GraphKey) -> E | None:
         """The admitted entry for `key`, most recently used from now and pinned until
         release(); None when the key is not admitted."""
         with self.lock:
@@ -48,12 +70,12 @@ class GraphCache:
                 entry.pin_count += 1
             return entry
 
-    def release(self, entry: GraphEntry) -> None:
+    def release(self, entry: E) -> None:
         with self.lock:
             entry.pin_count -= 1
 
     @contextmanager
-    def pinned(self, key: GraphKey) -> Iterator[GraphEntry | None]:
+    def pinned(self, key: GraphKey) -> Iterator[E | None]:
         """acquire() and release() around a block."""
         entry = self.acquire(key)
         try:
@@ -61,6 +83,19 @@ class GraphCache:
         finally:
             if entry is not None:
                 self.release(entry)
+
+    def acquire_all(self) -> list[E]:
+        """Every admitted entry, least recently used first, pinned until release_all()."""
+        with self.lock:
+            entries = list(self._entries.values())
+            for entry in entries:
+                entry.pin_count += 1
+            return entries
+
+    def release_all(self, entries: list[E]) -> None:
+        with self.lock:
+            for entry in entries:
+                entry.pin_count -= 1
 
     def __contains__(self, key: GraphKey) -> bool:
         with self.lock:
@@ -75,7 +110,7 @@ class GraphCache:
         with self.lock:
             return self._resident_bytes
 
-    def entries(self) -> list[GraphEntry]:
+    def entries(self) -> list[E]:
         with self.lock:
             return list(self._entries.values())
 
@@ -84,7 +119,7 @@ class GraphCache:
             return self._resident_bytes // len(self._entries) if self._entries else 0
 
     # -- budget ----------------------------------------------------------------------------
-    def victims_for(self, num_bytes: int) -> list[GraphEntry] | None:
+    def victims_for(self, num_bytes: int) -> list[E] | None:
         """The LRU unpinned entries whose eviction makes room for `num_bytes`.
 
         Empty when it fits already; None when it cannot fit even after evicting every unpinned
@@ -94,7 +129,7 @@ class GraphCache:
             if num_bytes > self.max_bytes:
                 return None
             free = self.max_bytes - self._resident_bytes
-            victims: list[GraphEntry] = []
+            victims: list[E] = []
             for entry in self._entries.values():
                 if free >= num_bytes:
                     break
@@ -103,7 +138,7 @@ class GraphCache:
                     free += entry.resident_bytes
             return victims if free >= num_bytes else None
 
-    def admit(self, entry: GraphEntry) -> bool:
+    def admit(self, entry: E) -> bool:
         """Insert a captured entry, evicting LRU unpinned entries to make room.
 
         Returns False (and leaves the entry to the caller to retire) when it cannot fit.
@@ -147,7 +182,7 @@ class GraphCache:
                 self._remove(entry, cause)
             return len(entries)
 
-    def _remove(self, entry: GraphEntry, cause: EvictionCause) -> None:
+    def _remove(self, entry: E, cause: EvictionCause) -> None:
         del self._entries[entry.key]
         self._resident_bytes -= entry.resident_bytes
         entry.retire()

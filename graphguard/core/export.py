@@ -4,10 +4,11 @@ A manifest is versioned JSON: the environment it was captured in, the model it b
 engine fills that in), and for each resident graph its key (machine-readable), state, bytes,
 capture time, parity result, replay count, static input and output specs and node inventory.
 
-Export never resets or re-captures a graph. It pins every admitted entry (eviction skips pinned
-entries) and reads each one under the entry's own lock, which retire() takes too, so an entry
-invalidated meanwhile is retired only after export has finished reading it. Replays of other
-entries go on while export runs.
+Export never resets or re-captures a graph. It reads a runner only through its public surface
+(Exportable) and imports no runner module: `runner.resident()` pins every admitted entry
+(eviction skips pinned entries), and each one is read under the entry's own lock, which
+retire() takes too, so an entry invalidated meanwhile is retired only after export has finished
+reading it. Replays of other entries go on while export runs.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ import logging
 import os
 import platform
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from graphguard.core.backends import Backend
 from graphguard.core.entry import GraphEntry
 from graphguard.core.inventory import NodeInventory, load_bindings, read_inventory, unavailable
-from graphguard.core.keys import GraphKey, TensorSpec
-
-if TYPE_CHECKING:
-    from graphguard.core.runner import GraphRunner
+from graphguard.core.keys import Buckets, GraphKey, TensorSpec
+from graphguard.version import __version__
 
 log = logging.getLogger("graphguard")
 
@@ -48,11 +49,23 @@ class ManifestVersionError(ManifestError):
     """A manifest of this format written in another version of it."""
 
 
+class Exportable(Protocol):
+    """What export reads of a runner (GraphRunner has it): its public surface only."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def backend(self) -> Backend | None: ...
+    @property
+    def buckets(self) -> Buckets | None: ...
+    @property
+    def max_bytes(self) -> int: ...
+    def resident(self) -> AbstractContextManager[list[GraphEntry]]: ...
+
+
 # -- environment and identity --------------------------------------------------------------
 def environment(backend: Any) -> dict[str, Any]:
     """Where graphs were (or would be) captured: torch, CUDA, driver, device, graphguard."""
-    from graphguard import __version__
-
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -164,19 +177,16 @@ def _dtype(name: str) -> torch.dtype:
 
 # -- export --------------------------------------------------------------------------------
 def export_manifest(
-    runner: GraphRunner,
+    runner: Exportable,
     path: str | os.PathLike[str],
     *,
     model: dict[str, Any] | None = None,
     read: InventoryReader = read_inventory,
 ) -> dict[str, Any]:
     """Write the manifest of `runner`'s resident graphs to `path` (atomically); return it."""
-    entries = _pin_entries(runner)
-    try:
-        backend = runner.backend.name if runner.backend is not None else None
+    backend = runner.backend.name if runner.backend is not None else None
+    with runner.resident() as entries:
         graphs = [_graph_record(entry, backend, read) for entry in entries]
-    finally:
-        _unpin(runner, entries)
     # largest first; graphs of one pool segment each are told apart by their padded rows
     graphs.sort(key=lambda g: (g["resident_bytes"], g.get("rows") or 0), reverse=True)
     manifest = {
@@ -191,21 +201,6 @@ def export_manifest(
     _write_atomically(Path(path), json.dumps(manifest, indent=1))
     log.info("graphguard export runner=%s graphs=%d path=%s", runner.name, len(graphs), path)
     return manifest
-
-
-def _pin_entries(runner: GraphRunner) -> list[GraphEntry]:
-    # Lock order: the runner's lock, then its cache's lock (as in GraphCache.pinned).
-    with runner._lock, runner._cache.lock:
-        entries = runner._cache.entries()
-        for entry in entries:
-            entry.pin_count += 1
-        return entries
-
-
-def _unpin(runner: GraphRunner, entries: list[GraphEntry]) -> None:
-    with runner._cache.lock:
-        for entry in entries:
-            entry.pin_count -= 1
 
 
 def _graph_record(entry: GraphEntry, backend: str | None, read: InventoryReader) -> dict:
@@ -229,11 +224,11 @@ def _graph_record(entry: GraphEntry, backend: str | None, read: InventoryReader)
     }
 
 
-def _runner_record(runner: GraphRunner, graphs: list[dict[str, Any]]) -> dict[str, Any]:
+def _runner_record(runner: Exportable, graphs: list[dict[str, Any]]) -> dict[str, Any]:
     buckets = runner.buckets
     return {
         "name": runner.name,
-        "max_bytes": runner._cache.max_bytes,
+        "max_bytes": runner.max_bytes,
         "resident_bytes": sum(g["resident_bytes"] for g in graphs),
         "buckets": list(buckets.batch) if buckets is not None else None,
     }

@@ -1,18 +1,27 @@
-"""Prometheus collectors for graph runners.
+"""Prometheus collectors for graph runners, and one runner's counts (its stats()).
 
-Labels come only from closed sets (capture outcomes, FallbackReason, eviction causes), so the
-series count is bounded. One GraphMetrics may be shared by several runners (an engine's decode
-and prefill runners, say): gauges move by deltas, never by absolute sets.
+Labels come only from closed sets (capture outcomes, FallbackReason, eviction causes, prewarm
+outcomes and refusals), so the series count is bounded. One GraphMetrics may be shared by
+several runners (an engine's decode and prefill runners, say): gauges move by deltas, never by
+absolute sets.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from graphguard.core.reasons import ALL_REASONS, CaptureOutcome, EvictionCause
-
-PREWARM_OUTCOMES = ("prewarmed", "skipped")
-PREWARM_REFUSALS = ("unreadable", "version", "torch", "device", "model")
+from graphguard.core.reasons import (
+    ALL_REASONS,
+    CaptureOutcome,
+    EvictionCause,
+    FallbackReason,
+    PrewarmOutcome,
+    PrewarmRefusal,
+)
 
 
 class GraphMetrics:
@@ -63,13 +72,92 @@ class GraphMetrics:
         self.prewarm_refusals = Counter(
             "graphguard_prewarm_refusals", "Manifests refused, by reason", ["reason"], registry=r
         )
-        for outcome in PREWARM_OUTCOMES:
-            self.prewarm_keys.labels(outcome)
-        for refusal in PREWARM_REFUSALS:
-            self.prewarm_refusals.labels(refusal)
+        for prewarm_outcome in PrewarmOutcome:
+            self.prewarm_keys.labels(prewarm_outcome.value)
+        for refusal in PrewarmRefusal:
+            self.prewarm_refusals.labels(refusal.value)
         for outcome in CaptureOutcome:
             self.captures.labels(outcome.value)
         for reason in ALL_REASONS:
             self.fallbacks.labels(reason.value)
         for cause in EvictionCause:
             self.evictions.labels(cause.value)
+
+
+@dataclass
+class RunnerStats:
+    calls: int = 0
+    replays: int = 0
+    captures: int = 0
+    capture_failures: int = 0
+    parity_mismatches: int = 0
+    evictions: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+class RunnerCounts:
+    """One runner's counts, kept in its RunnerStats and in the (maybe shared) collectors.
+
+    NOTE: every call is counted exactly once, as a replay or as one fallback, so
+    calls == replays + fallbacks holds by construction.
+    """
+
+    def __init__(self, metrics: GraphMetrics):
+        self.metrics = metrics
+        self.stats = RunnerStats()
+        # NOTE: fallbacks are counted outside the runner's lock (eager work runs unlocked), so
+        # the counts have a small lock of their own.
+        self.lock = threading.Lock()
+        self._gauges = (0, 0, 0, 0)  # resident bytes, graphs, host bytes, quarantined keys
+
+    def fallback(self, reason: FallbackReason) -> None:
+        self.metrics.calls.inc()
+        self.metrics.fallbacks.labels(reason.value).inc()
+        with self.lock:
+            fallbacks = self.stats.fallbacks
+            fallbacks[reason.value] = fallbacks.get(reason.value, 0) + 1
+
+    def replay(self) -> None:
+        # NOTE: replays are counted under the runner's lock, so no counter lock is needed.
+        self.metrics.calls.inc()
+        self.metrics.replays.inc()
+        self.stats.replays += 1
+
+    def capture(self, outcome: CaptureOutcome) -> None:
+        """A capture that ended in `outcome`."""
+        self.metrics.captures.labels(outcome.value).inc()
+        with self.lock:
+            if outcome is CaptureOutcome.ADMITTED:
+                self.stats.captures += 1
+            elif outcome is CaptureOutcome.FAILED:
+                self.stats.capture_failures += 1
+            elif outcome is CaptureOutcome.PARITY_MISMATCH:
+                self.stats.parity_mismatches += 1
+
+    def drift(self) -> None:
+        """A periodic re-verification found an admitted graph differing from eager."""
+        with self.lock:
+            self.stats.parity_mismatches += 1
+
+    def eviction(self, cause: EvictionCause) -> None:
+        with self.lock:
+            self.stats.evictions += 1
+        self.metrics.evictions.labels(cause.value).inc()
+
+    def move_gauges(
+        self, resident_bytes: int, graphs: int, host_bytes: int, quarantined: int
+    ) -> None:
+        """Move the shared gauges by this runner's change since the last call."""
+        now = (resident_bytes, graphs, host_bytes, quarantined)
+        last, self._gauges = self._gauges, now
+        self.metrics.resident_bytes.inc(now[0] - last[0])
+        self.metrics.entries.inc(now[1] - last[1])
+        self.metrics.host_bytes.inc(now[2] - last[2])
+        self.metrics.quarantined.inc(now[3] - last[3])
+
+    def snapshot(self) -> dict[str, Any]:
+        """The stats as a dict; `calls` is derived from replays and fallbacks."""
+        with self.lock:
+            stats = asdict(self.stats)
+        stats["calls"] = stats["replays"] + sum(stats["fallbacks"].values())
+        return stats

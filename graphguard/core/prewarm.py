@@ -2,7 +2,9 @@
 
 Prewarm captures exactly the manifest's keys, largest first, inside the byte budget. A manifest
 from another torch, device or model (or one that cannot be read) is refused with a reason, and
-the runner stays lazy: refusing never raises.
+the runner stays lazy: refusing never raises. Like export, this module imports no runner
+module and reads a runner only through its public surface (Prewarmable): `plan()` to check
+that a key maps to itself here, `warmup()` to capture.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from graphguard.core.backends import Backend
+from graphguard.core.base import WarmupReport
 from graphguard.core.export import (
     ManifestError,
     ManifestSource,
@@ -23,14 +28,29 @@ from graphguard.core.export import (
     key_from_json,
     read_manifest,
 )
-from graphguard.core.inputs import plan_call
-from graphguard.core.keys import TensorSpec
-from graphguard.core.runner import WarmupReport
-
-if TYPE_CHECKING:
-    from graphguard.core.runner import GraphRunner
+from graphguard.core.inputs import CallPlan
+from graphguard.core.keys import Buckets, GraphKey, TensorSpec
+from graphguard.core.metrics import GraphMetrics
+from graphguard.core.reasons import FallbackReason, PrewarmOutcome, PrewarmRefusal, PrewarmSkip
 
 log = logging.getLogger("graphguard")
+
+
+class Prewarmable(Protocol):
+    """What prewarm uses of a runner (GraphRunner has it): its public surface only."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def backend(self) -> Backend | None: ...
+    @property
+    def buckets(self) -> Buckets | None: ...
+    @property
+    def max_bytes(self) -> int: ...
+    @property
+    def metrics(self) -> GraphMetrics: ...
+    def plan(self, args: Sequence[Any]) -> CallPlan | FallbackReason: ...
+    def warmup(self, examples: Iterable[Sequence[Any]], progress: bool = True) -> WarmupReport: ...
 
 
 @dataclass
@@ -41,19 +61,25 @@ class PrewarmReport(WarmupReport):
     manifest: str | None = None
 
 
+Refusal = tuple[PrewarmRefusal, str]  # the reason, and a message that says what differs
+
+
 def refusal(
     manifest: dict[str, Any], env: dict[str, Any], model: dict[str, Any] | None
-) -> tuple[str, str] | None:
+) -> Refusal | None:
     """(reason, message) when `manifest` must not prewarm here; None when it may."""
     theirs = manifest["environment"]
     if theirs.get("torch") != env["torch"]:
-        return "torch", f"manifest is from torch {theirs.get('torch')}; this is {env['torch']}"
+        message = f"manifest is from torch {theirs.get('torch')}; this is {env['torch']}"
+        return PrewarmRefusal.TORCH, message
     there = (theirs.get("device"), theirs.get("backend"))
     here = (env["device"], env["backend"])
     if there != here:
-        return "device", f"manifest is for {_where(*there)}; this runner is on {_where(*here)}"
+        message = f"manifest is for {_where(*there)}; this runner is on {_where(*here)}"
+        return PrewarmRefusal.DEVICE, message
     if model is not None and not _same_model(manifest.get("model"), model):
-        return "model", f"manifest is for {_model(manifest.get('model'))}; this is {_model(model)}"
+        message = f"manifest is for {_model(manifest.get('model'))}; this is {_model(model)}"
+        return PrewarmRefusal.MODEL, message
     return None
 
 
@@ -73,7 +99,7 @@ def _model(model: Any) -> str:
 
 # -- prewarm -------------------------------------------------------------------------------
 def prewarm(
-    runner: GraphRunner,
+    runner: Prewarmable,
     manifest: ManifestSource,
     *,
     progress: bool = True,
@@ -88,13 +114,14 @@ def prewarm(
     """
     started = time.perf_counter()
     source = "<dict>" if isinstance(manifest, dict) else os.fspath(manifest)
+    refused: Refusal | None
     try:
         data = read_manifest(manifest)
         refused = refusal(data, environment(runner.backend), model)
     except ManifestVersionError as exc:
-        refused = ("version", str(exc))
+        refused = PrewarmRefusal.VERSION, str(exc)
     except ManifestError as exc:
-        refused = ("unreadable", str(exc))
+        refused = PrewarmRefusal.UNREADABLE, str(exc)
     if refused is not None:
         return _refuse(runner, source, refused, started)
     examples, skipped = plan_examples(runner, data["graphs"])
@@ -110,7 +137,7 @@ def prewarm(
 
 
 def plan_examples(
-    runner: GraphRunner, graphs: list[dict[str, Any]]
+    runner: Prewarmable, graphs: list[dict[str, Any]]
 ) -> tuple[list[tuple[Any, ...]], dict[str, str]]:
     """Example arguments for each manifest key that maps to the same key in `runner`.
 
@@ -125,7 +152,7 @@ def plan_examples(
         try:
             key = key_from_json(record["key"], device)
         except ManifestError as exc:
-            skipped[name] = f"unreadable_key: {exc}"
+            skipped[name] = f"{PrewarmSkip.UNREADABLE_KEY.value}: {exc}"
             continue
         problem = _unbuildable(runner, key)
         if problem is not None:
@@ -133,24 +160,25 @@ def plan_examples(
             continue
         args = tuple(_example_arg(runner, i, a) for i, a in enumerate(key.args))
         if device is not None:
-            plan = plan_call(args, runner.buckets, device, runner.stage_host_inputs)
-            if getattr(plan, "key", None) != key:
-                skipped[name] = f"key_mismatch: this runner maps it to {_describe(plan)}"
+            plan = runner.plan(args)
+            if isinstance(plan, FallbackReason) or plan.key != key:
+                mapped = plan.value if isinstance(plan, FallbackReason) else plan.key.describe()
+                skipped[name] = f"{PrewarmSkip.KEY_MISMATCH.value}: this runner maps it to {mapped}"
                 continue
         examples.append(args)
     return examples, skipped
 
 
-def _unbuildable(runner: GraphRunner, key: Any) -> str | None:
+def _unbuildable(runner: Prewarmable, key: GraphKey) -> str | None:
     """Why a manifest key's example inputs must not be allocated, if they must not."""
     if any(size < 0 for spec in key.tensor_specs for size in spec.shape):
-        return "unreadable_key: negative dimension"
-    if key.input_bytes > runner._cache.max_bytes:
-        return "over_budget: its inputs alone exceed the byte budget"
+        return f"{PrewarmSkip.UNREADABLE_KEY.value}: negative dimension"
+    if key.input_bytes > runner.max_bytes:
+        return f"{PrewarmSkip.OVER_BUDGET.value}: its inputs alone exceed the byte budget"
     return None
 
 
-def _example_arg(runner: GraphRunner, position: int, arg: Any) -> Any:
+def _example_arg(runner: Prewarmable, position: int, arg: Any) -> Any:
     if not isinstance(arg, TensorSpec):
         return arg
     pad: float | int = 0
@@ -162,19 +190,14 @@ def _example_arg(runner: GraphRunner, position: int, arg: Any) -> Any:
     return torch.full(arg.shape, pad, dtype=arg.dtype, device=arg.device)
 
 
-def _describe(plan: Any) -> str:
-    key = getattr(plan, "key", None)
-    return key.describe() if key is not None else str(getattr(plan, "value", plan))
-
-
-def _refuse(
-    runner: GraphRunner, source: str, refused: tuple[str, str], started: float
-) -> PrewarmReport:
+def _refuse(runner: Prewarmable, source: str, refused: Refusal, started: float) -> PrewarmReport:
     reason, message = refused
     report = PrewarmReport(
-        seconds=time.perf_counter() - started, refused=f"{reason}: {message}", manifest=source
+        seconds=time.perf_counter() - started,
+        refused=f"{reason.value}: {message}",
+        manifest=source,
     )
-    runner.metrics.prewarm_refusals.labels(reason).inc()
+    runner.metrics.prewarm_refusals.labels(reason.value).inc()
     log.warning(
         "graphguard prewarm refused runner=%s manifest=%s reason=%s; graphs will be captured "
         "lazily",
@@ -185,11 +208,11 @@ def _refuse(
     return report
 
 
-def _record(runner: GraphRunner, report: PrewarmReport) -> None:
+def _record(runner: Prewarmable, report: PrewarmReport) -> None:
     metrics = runner.metrics
     metrics.prewarm_seconds.set(report.seconds)
-    metrics.prewarm_keys.labels("prewarmed").inc(len(report.captured))
-    metrics.prewarm_keys.labels("skipped").inc(len(report.skipped))
+    metrics.prewarm_keys.labels(PrewarmOutcome.PREWARMED.value).inc(len(report.captured))
+    metrics.prewarm_keys.labels(PrewarmOutcome.SKIPPED.value).inc(len(report.skipped))
     log.info(
         "graphguard prewarm runner=%s manifest=%s prewarmed=%d skipped=%d seconds=%.2f",
         runner.name,

@@ -1,7 +1,9 @@
-"""The closed set of reasons a call runs eagerly instead of replaying a graph.
+"""The closed sets of the runtime's outcomes: why a call runs eagerly instead of replaying a
+graph, how a capture ended, why a graph was evicted, and how a prewarm went.
 
-Every call either replays an admitted graph or falls back with exactly one of these. The values
-double as Prometheus label values, so the set must stay closed and small.
+Every call either replays an admitted graph or falls back with exactly one FallbackReason. The
+values double as Prometheus label values (and as the strings of reports and manifests), so each
+set must stay closed and small.
 """
 
 from __future__ import annotations
@@ -47,3 +49,30 @@ class EvictionCause(enum.StrEnum):
     REVERIFY = "reverify"  # a periodic re-verification found it drifting
     INVALIDATE = "invalidate"  # every graph retired: new weights, say
     CLOSE = "close"  # the runner closed
+
+
+class PrewarmOutcome(enum.StrEnum):
+    """What became of a manifest key (the label values of `graphguard_prewarm_keys_total`)."""
+
+    PREWARMED = "prewarmed"  # captured (or already resident) and admitted
+    SKIPPED = "skipped"  # not captured; the report says why
+
+
+class PrewarmRefusal(enum.StrEnum):
+    """Why a whole manifest was refused (the label values of
+    `graphguard_prewarm_refusals_total`); nothing is captured from a refused manifest."""
+
+    UNREADABLE = "unreadable"  # missing, not JSON, not a graphguard manifest, malformed
+    VERSION = "version"  # a graphguard manifest of another format version
+    TORCH = "torch"  # written by another torch version
+    DEVICE = "device"  # captured on another device name or backend (or none here)
+    MODEL = "model"  # the engine's model identity differs
+
+
+class PrewarmSkip(enum.StrEnum):
+    """Why one key of a manifest that was used is skipped before warm-up (a warm-up skip
+    names a FallbackReason instead)."""
+
+    UNREADABLE_KEY = "unreadable_key"  # a key that cannot be rebuilt here
+    OVER_BUDGET = "over_budget"  # its example inputs alone exceed the byte budget
+    KEY_MISMATCH = "key_mismatch"  # this runner's buckets map its inputs to another key

@@ -1,8 +1,13 @@
 """GraphRunner: the public callable.
 
-Every call either replays an admitted graph or runs eagerly with exactly one FallbackReason.
+Every call either replays an admitted graph or runs eagerly with exactly one FallbackReason
+(the flow is RunnerBase's; this module keys single graphs by the call's padded arguments).
 Replays of one runner are serialized by the runner's lock (lock order: engine lifecycle lock,
 then this runner's lock, then its cache's lock).
+
+Manifests (export.py, prewarm.py) import no runner module: they read a runner only through its
+public surface (`resident()`, `plan()`, `warmup()`, `max_bytes`), so the `export()` and
+`prewarm()` conveniences here can call them without an import cycle.
 """
 
 from __future__ import annotations
@@ -11,22 +16,15 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
-from graphguard.core.base import (
-    KILL_SWITCH_ENV,
-    ParityError,
-    RunnerBase,
-    RunnerStats,
-    kill_switch_on,
-    resolve_backend,
-)
+from graphguard.core.base import CaptureMode, RunnerBase, WarmupReport
 from graphguard.core.entry import EntryInfo, GraphEntry
+from graphguard.core.export import ManifestSource, export_manifest
 from graphguard.core.inputs import (
     MAX_PLANS,
     CallPlan,
@@ -37,9 +35,11 @@ from graphguard.core.inputs import (
     slice_outputs,
 )
 from graphguard.core.keys import Buckets, GraphKey
-from graphguard.core.metrics import GraphMetrics
+from graphguard.core.metrics import GraphMetrics, RunnerStats
+from graphguard.core.prewarm import prewarm
 from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
-from graphguard.core.verify import VerifyConfig
+from graphguard.core.switch import KILL_SWITCH_ENV, kill_switch_on, resolve_backend
+from graphguard.core.verify import ParityError, VerifyConfig, parity_error
 
 log = logging.getLogger("graphguard")
 
@@ -53,15 +53,10 @@ __all__ = [
     "resolve_backend",
 ]
 
-
-@dataclass
-class WarmupReport:
-    captured: list[str] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # key -> reason
-    seconds: float = 0.0
+Args = tuple[Any, ...]  # one call's arguments
 
 
-class GraphRunner(RunnerBase):
+class GraphRunner(RunnerBase[GraphEntry, Args]):
     """Replays CUDA graphs of `fn` under a byte budget, verified against eager.
 
     Args:
@@ -126,26 +121,17 @@ class GraphRunner(RunnerBase):
         # the call's signature and the runner's fixed settings, so it is remembered (bounded).
         self._plans: dict[tuple[Any, ...], CallPlan | FallbackReason] = {}
 
-    # -- the call --------------------------------------------------------------------------
+    # -- the call (RunnerBase._run is the flow; the hooks follow) ---------------------------
     def __call__(self, *args: Any) -> Any:
-        reason = self._gate()
-        if reason is None:
-            plan = self._plan(args)
-            if isinstance(plan, FallbackReason):
-                reason = plan
-            else:
-                with self._lock:
-                    if self._closed:
-                        reason = FallbackReason.CLOSED
-                    else:
-                        out, reason = self._serve(args, plan)
-                        if reason is None:
-                            return out
-                        if out is not None:  # re-verification answered this call eagerly
-                            return self._fallback(args, reason, out)
-        return self._fallback(args, reason)
+        return self._run(args)
 
-    def _plan(self, args: tuple[Any, ...]) -> CallPlan | FallbackReason:
+    def plan(self, args: Sequence[Any]) -> CallPlan | FallbackReason:
+        """The key a call with `args` maps to (and its real rows), or why it runs eagerly."""
+        if self.backend is None:
+            return FallbackReason.NO_CUDA
+        return self._plan(tuple(args))
+
+    def _plan(self, args: Args) -> CallPlan | FallbackReason:
         """plan_call, remembered by the arguments' shapes, dtypes, devices and constants."""
         try:
             signature = call_signature(args)
@@ -159,93 +145,58 @@ class GraphRunner(RunnerBase):
             self._plans[signature] = plan
         return plan
 
-    def _serve(self, args: Sequence[Any], plan: CallPlan) -> tuple[Any, FallbackReason | None]:
-        self.policy.record_call(plan.key)
-        entry = self._cache.acquire(plan.key)
-        if entry is not None:
-            try:
-                return self._replay(entry, args, plan)
-            finally:
-                self._cache.release(entry)
-        reason = self._admission_reason(plan.key)
-        if reason is not None:
-            return None, reason
-        return self._capture(args, plan, allow_evict=True)
+    def _eager(self, args: Args) -> Any:
+        return self.fn(*args)
 
-    def _fallback(self, args: Sequence[Any], reason: FallbackReason, out: Any = None) -> Any:
-        self._count_fallback(reason)
-        return out if out is not None else self.fn(*args)
-
-    # -- replay ----------------------------------------------------------------------------
     def _replay(
-        self, entry: GraphEntry, args: Sequence[Any], plan: CallPlan
+        self, entry: GraphEntry, args: Args, plan: CallPlan
     ) -> tuple[Any, FallbackReason | None]:
         outputs = entry.replay(lambda: copy_inputs(entry, args, plan, self.buckets))
         every = self.verify.reverify_every
         if every and self.verify.enabled and entry.replays % every == 0:
             eager = self.fn(*entry.static_args)
-            error = self._parity_error(entry.key, outputs, eager)
+            error = parity_error(entry.key, outputs, eager, self.verify)
             if error is not None:
                 self._cache.evict(entry.key, EvictionCause.REVERIFY)
-                self._stats.parity_mismatches += 1
+                self._counts.drift()
                 self._quarantine(entry.key, f"drift on re-verification: {error}")
                 return slice_outputs(eager, plan, copy=False), FallbackReason.PARITY_MISMATCH
-        self._count_replay()
+        self._counts.replay()
         return slice_outputs(outputs, plan, self.copy_outputs), None
 
-    # -- capture ---------------------------------------------------------------------------
-    def _capture(
-        self, args: Sequence[Any], plan: CallPlan, allow_evict: bool
-    ) -> tuple[Any, FallbackReason | None]:
-        key = plan.key
-        if allow_evict:
-            # NOTE: the capture in flight reserves its expected bytes: eviction comes first, so
-            # the device never holds more than the budget while the candidate captures.
-            self._cache.make_room(self._expected_bytes(key))
-        started = self.clock()
-        entry = GraphEntry(key, self.backend)  # type: ignore[arg-type]
-        try:
-            outputs, reason = self._capture_verified(entry, args, plan)
-        except BaseException:
-            entry.retire()  # whatever escapes, the candidate's stream and pool go back
-            raise
-        if reason is not None:
-            return None, reason
-        self._count_capture(key, self.clock() - started, entry.resident_bytes)
-        fits = self._cache.victims_for(entry.resident_bytes) == [] or allow_evict
-        if not (fits and self._cache.admit(entry)):
-            over = CaptureOutcome.OVER_BUDGET
-            return None, self._reject(entry, over, FallbackReason.OVER_BUDGET, None)
-        self._count_admitted(served=allow_evict)
-        log.info(
-            "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
-            key.describe(),
-            entry.resident_bytes,
-            entry.capture_ms,
-            self.name,
-        )
-        return slice_outputs(outputs, plan, self.copy_outputs), None
+    def _new_candidate(self, key: GraphKey) -> GraphEntry:
+        assert self.backend is not None
+        return GraphEntry(key, self.backend)
 
     def _capture_verified(
-        self, entry: GraphEntry, args: Sequence[Any], plan: CallPlan
-    ) -> tuple[Any, FallbackReason | None]:
+        self, entry: GraphEntry, args: Args, plan: CallPlan
+    ) -> tuple[Any, None, FallbackReason | None]:
         """Capture, replay once and compare with eager; a failure rejects the entry."""
         try:
             for owner in self._owners:
                 entry.retain(owner)
             entry.capture(self.fn, make_static_args(entry, args, plan, self.buckets))
         except CaptureError as exc:
-            failed = CaptureOutcome.FAILED
-            return None, self._reject(entry, failed, FallbackReason.CAPTURE_FAILED, exc)
+            return None, None, self._reject(entry, CaptureOutcome.FAILED, exc)
         outputs = entry.replay()
         if self.verify.enabled:
-            error = self._parity_error(entry.key, outputs, self.fn(*entry.static_args))
+            # NOTE: eager runs on the padded static inputs, so it does not answer the call.
+            eager = self.fn(*entry.static_args)
+            error = parity_error(entry.key, outputs, eager, self.verify)
             if error is not None:
-                mismatch = FallbackReason.PARITY_MISMATCH
-                outcome = CaptureOutcome.PARITY_MISMATCH
-                return None, self._reject(entry, outcome, mismatch, error)
+                return None, None, self._reject(entry, CaptureOutcome.PARITY_MISMATCH, error)
             entry.verified = self.verify.mode
-        return outputs, None
+        return outputs, None, None
+
+    def _admitted(self, entry: GraphEntry, outputs: Any, plan: CallPlan) -> Any:
+        log.info(
+            "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
+            entry.key.describe(),
+            entry.resident_bytes,
+            entry.capture_ms,
+            self.name,
+        )
+        return slice_outputs(outputs, plan, self.copy_outputs)
 
     # -- set-up paths ----------------------------------------------------------------------
     def warmup(self, examples: Iterable[Sequence[Any]], progress: bool = True) -> WarmupReport:
@@ -253,15 +204,11 @@ class GraphRunner(RunnerBase):
         report, started = WarmupReport(), time.perf_counter()
         plans = []
         for args in examples:
-            plan = (
-                plan_call(args, self.buckets, self.backend.device, self.stage_host_inputs)
-                if self.backend is not None
-                else FallbackReason.NO_CUDA
-            )
+            plan = self.plan(args)
             if isinstance(plan, FallbackReason):
                 report.skipped[repr(args)[:80]] = plan.value
             else:
-                plans.append((plan, args))
+                plans.append((plan, tuple(args)))
         plans.sort(key=lambda p: p[0].key.input_bytes, reverse=True)
         bar = tqdm(plans, desc=f"graphguard warmup {self.name}", disable=not progress)
         with self._lock:
@@ -277,7 +224,7 @@ class GraphRunner(RunnerBase):
         )
         return report
 
-    def _warm_one(self, plan: CallPlan, args: Sequence[Any], report: WarmupReport) -> None:
+    def _warm_one(self, plan: CallPlan, args: Args, report: WarmupReport) -> None:
         name = plan.key.describe()
         if plan.key in self._cache:
             self.policy.prewarmed.add(plan.key)
@@ -285,7 +232,7 @@ class GraphRunner(RunnerBase):
             return
         reason = self._gate() or self.policy.blocked_for_warmup(plan.key)
         if reason is None:
-            _, reason = self._capture(args, plan, allow_evict=False)
+            _, reason = self._capture(args, plan, CaptureMode.WARMUP)
         if reason is None:
             self.policy.prewarmed.add(plan.key)
             report.captured.append(name)
@@ -306,20 +253,16 @@ class GraphRunner(RunnerBase):
             stats["entries"] = len(self._cache)
             return stats
 
-    # -- manifests (graphguard.core.export) ------------------------------------------------
+    # -- manifests (graphguard.core.export, graphguard.core.prewarm) -----------------------
     def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Write a JSON manifest of the resident graphs to `path` and return it.
 
-        Never resets or re-captures a graph; safe while replays run (graphguard.core.export).
+        Never resets or re-captures a graph; safe while replays run (export_manifest).
         """
-        from graphguard.core.export import export_manifest
-
         return export_manifest(self, path)
 
-    def prewarm(self, manifest: Any, progress: bool = True) -> WarmupReport:
+    def prewarm(self, manifest: ManifestSource, progress: bool = True) -> WarmupReport:
         """Capture exactly the keys of a manifest (a path or a loaded dict), largest first,
         within the budget. A manifest from another torch version or device is refused (see
         the report's `refused`) and the runner stays lazy; this never raises for a bad one."""
-        from graphguard.core.prewarm import prewarm
-
         return prewarm(self, manifest, progress=progress)

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from graphguard.core.keys import GraphKey
+
 _MODES = ("exact", "allclose", "off")
+
+
+class ParityError(RuntimeError):
+    """Raised in strict mode when a graph's output differs from eager."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,16 @@ def outputs_match(graph_out: Any, eager_out: Any, config: VerifyConfig) -> bool:
     if graph_spec != eager_spec:
         return False
     return all(_leaf_match(g, e, config) for g, e in zip(graph_leaves, eager_leaves, strict=True))
+
+
+def parity_error(
+    key: GraphKey, graph_out: Any, eager_out: Any, config: VerifyConfig
+) -> ParityError | None:
+    """The error to reject the graph of `key` with when its output differs from eager's."""
+    if outputs_match(graph_out, eager_out, config):
+        return None
+    detail = describe_mismatch(graph_out, eager_out)
+    return ParityError(f"graph output differs from eager for {key.describe()}: {detail}")
 
 
 def _leaf_match(graph: Any, eager: Any, config: VerifyConfig) -> bool:

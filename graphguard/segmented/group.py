@@ -2,8 +2,9 @@
 
 A group declares one PoolGroup, so its segments share one memory pool and one capture stream
 that no other key uses; retiring the group retires every segment, and the last one releases
-the pool and the stream. To GraphCache a group looks like one entry (key, resident bytes,
-pin count, retire), so the cache's budget, LRU order and pinning apply to the group whole.
+the pool and the stream. A group is one of the cache's Retirable units, like a GraphEntry (key,
+resident and host bytes, pin count, state, replays, retire), so the cache's budget, LRU order
+and pinning apply to the group whole.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class SegmentGroup:
         # NOTE: each segment is charged its own growth of the shared pool plus its static
         # inputs, so the sum is the group's whole footprint, counted once.
         return sum(entry.resident_bytes for entry in self.entries)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(entry.host_bytes for entry in self.entries)
 
     @property
     def capture_ms(self) -> float:

@@ -6,6 +6,7 @@ while the eager stages run between them; the group's output is compared with the
 pipeline run eagerly (exact by default) before the group is admitted, and the group is charged,
 kept and evicted as a unit under the byte budget (GraphCache). Every call either replays a
 group or runs eagerly with exactly one FallbackReason; GRAPHGUARD_DISABLE=1 beats everything.
+That call flow is RunnerBase's; this module implements its hooks for groups.
 
 Lock order: an engine's lifecycle lock, then this runner's lock, then its cache's lock.
 """
@@ -15,18 +16,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
 from graphguard.core.base import RunnerBase
-from graphguard.core.entry import GraphEntry
+from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import CaptureOutcome, FallbackReason
-from graphguard.core.verify import VerifyConfig
+from graphguard.core.verify import VerifyConfig, parity_error
 from graphguard.segmented.group import (
     GroupInfo,
     GroupOverBudget,
@@ -39,8 +40,10 @@ from graphguard.segmented.pipeline import Carry, Segment, Stage, run_eager, spli
 
 log = logging.getLogger("graphguard")
 
+Call = tuple[Carry, Any]  # one call: the input carry, and the context of the eager stages
 
-class SegmentedRunner(RunnerBase):
+
+class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
     """Runs `stages` with graphed segments and eager stages between them.
 
     Args:
@@ -93,65 +96,38 @@ class SegmentedRunner(RunnerBase):
         self.pieces = split_segments(stages)
         self.num_segments = sum(isinstance(p, Segment) for p in self.pieces)
 
-    # -- the call --------------------------------------------------------------------------
+    # -- the call (RunnerBase._run is the flow; the hooks follow) ---------------------------
     def __call__(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
         """The pipeline's output carry for `inputs`; `context` goes to the eager stages only."""
-        carry = tuple(inputs)
-        reason = self._gate() or self._check_inputs(carry)
-        out: Carry | None = None
-        if reason is None:
-            with self._lock:
-                if self._closed:
-                    reason = FallbackReason.CLOSED
-                else:
-                    out, reason = self._serve(carry, context)
-                    if reason is None:
-                        assert out is not None
-                        return out
-        assert reason is not None
-        return self._fallback(carry, context, reason, out)
+        return self._run((tuple(inputs), context))
 
     def eager(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
         """The whole pipeline without graphs (the parity reference)."""
         return run_eager(self.pieces, tuple(inputs), context)
 
-    def _check_inputs(self, carry: Carry) -> FallbackReason | None:
+    def _plan(self, call: Call) -> CallPlan | FallbackReason:
+        """The carry's exact specs are the key (no buckets: rows are not padded)."""
+        carry, _ = call
         assert self.backend is not None
         for value in carry:
             if not isinstance(value, Tensor):
                 return FallbackReason.UNSUPPORTED_INPUT
             if value.device != self.backend.device:
                 return FallbackReason.DEVICE_MISMATCH
-        return None
+        return CallPlan(carry_key(carry), None)
 
-    def _serve(self, carry: Carry, context: Any) -> tuple[Carry | None, FallbackReason | None]:
-        key = carry_key(carry)
-        self.policy.record_call(key)
-        with self._cache.pinned(key) as found:
-            if found is not None:
-                return self._replay(cast(SegmentGroup, found), carry, context)
-        reason = self._admission_reason(key)
-        if reason is not None:
-            return None, reason
-        return self._capture(key, carry, context)
+    def _eager(self, call: Call) -> Carry:
+        return run_eager(self.pieces, *call)
 
-    def _fallback(
-        self, carry: Carry, context: Any, reason: FallbackReason, out: Carry | None
-    ) -> Carry:
-        self._count_fallback(reason)
-        # A rejected capture already ran the pipeline eagerly for its parity check: reuse it.
-        return out if out is not None else run_eager(self.pieces, carry, context)
-
-    # -- replay ----------------------------------------------------------------------------
     def _replay(
-        self, group: SegmentGroup, carry: Carry, context: Any
+        self, group: SegmentGroup, call: Call, plan: CallPlan
     ) -> tuple[Carry | None, FallbackReason | None]:
-        out, is_complete = replay_group(group, self.pieces, carry, context)
+        out, is_complete = replay_group(group, self.pieces, *call)
         if not is_complete:
             # An eager stage changed a shape the key did not predict; the tail ran eagerly.
             return out, FallbackReason.UNBUCKETED_SHAPE
         group.replays += 1
-        self._count_replay()
+        self._counts.replay()
         return self._finish(out), None
 
     def _finish(self, carry: Carry) -> Carry:
@@ -159,62 +135,48 @@ class SegmentedRunner(RunnerBase):
         # through, which the next replay would overwrite.
         return tuple(t.clone() for t in carry) if self.copy_outputs else carry
 
-    # -- capture ---------------------------------------------------------------------------
-    def _capture(
-        self, key: GraphKey, carry: Carry, context: Any
-    ) -> tuple[Carry | None, FallbackReason | None]:
-        self._cache.make_room(self._expected_bytes(key))  # before the capture, as GraphRunner
-        started = self.clock()
+    def _new_candidate(self, key: GraphKey) -> SegmentGroup:
         assert self.backend is not None
-        group = SegmentGroup(key, self.backend, self.name)
-        try:
-            out = capture_group(
-                group, self.pieces, carry, context, self._owners, self._cache.max_bytes
-            )
-        except CaptureError as exc:
-            failed = CaptureOutcome.FAILED
-            return None, self._reject(group, failed, FallbackReason.CAPTURE_FAILED, exc)
-        except GroupOverBudget:
-            self.policy.size_hints[key] = group.resident_bytes
-            over = CaptureOutcome.OVER_BUDGET
-            return None, self._reject(group, over, FallbackReason.OVER_BUDGET, None)
-        except BaseException:
-            group.retire()  # an eager stage raised mid-capture: release the partial group
-            raise
-        eager = None
-        if self.verify.enabled:
-            eager = run_eager(self.pieces, carry, context)
-            error = self._parity_error(key, out, eager)
-            if error is not None:
-                mismatch = FallbackReason.PARITY_MISMATCH
-                outcome = CaptureOutcome.PARITY_MISMATCH
-                return eager, self._reject(group, outcome, mismatch, error)
-        return self._admit(group, out, eager, self.clock() - started)
+        return SegmentGroup(key, self.backend, self.name)
 
-    def _admit(
-        self, group: SegmentGroup, out: Carry, eager: Carry | None, seconds: float
-    ) -> tuple[Carry | None, FallbackReason | None]:
-        key = group.key
-        self._count_capture(key, seconds, group.resident_bytes)
-        if not self._cache.admit(cast(GraphEntry, group)):
-            over = CaptureOutcome.OVER_BUDGET
-            return eager, self._reject(group, over, FallbackReason.OVER_BUDGET, None)
+    def _capture_verified(
+        self, group: SegmentGroup, call: Call, plan: CallPlan
+    ) -> tuple[Carry | None, Carry | None, FallbackReason | None]:
+        """Capture every segment (eager stages between), then compare with the whole pipeline
+        run eagerly; that eager run answers the call if the group is not admitted."""
+        carry, context = call
+        try:
+            out = capture_group(group, self.pieces, carry, context, self._owners, self.max_bytes)
+        except CaptureError as exc:
+            return None, None, self._reject(group, CaptureOutcome.FAILED, exc)
+        except GroupOverBudget:
+            self.policy.size_hints[group.key] = group.resident_bytes
+            return None, None, self._reject(group, CaptureOutcome.OVER_BUDGET, None)
+        if not self.verify.enabled:
+            return out, None, None
+        eager = run_eager(self.pieces, carry, context)
+        error = parity_error(group.key, out, eager, self.verify)
+        if error is not None:
+            return None, eager, self._reject(group, CaptureOutcome.PARITY_MISMATCH, error)
+        return out, eager, None
+
+    def _admitted(self, group: SegmentGroup, out: Carry, plan: CallPlan) -> Carry:
         group.mark_admitted(self.verify.mode if self.verify.enabled else "off")
         group.replays += 1  # the verified first replay serves this call
-        self._count_admitted()
         log.info(
             "graphguard capture group key=%s segments=%d bytes=%d ms=%.1f runner=%s",
-            key.describe(),
+            group.key.describe(),
             len(group.entries),
             group.resident_bytes,
             group.capture_ms,
             self.name,
         )
-        return self._finish(out), None
+        return self._finish(out)
 
+    # -- introspection ---------------------------------------------------------------------
     def groups(self) -> list[SegmentGroup]:
         """The admitted groups, least recently used first."""
-        return [cast(SegmentGroup, g) for g in self._cache.entries()]
+        return self._cache.entries()
 
     def group_infos(self) -> list[GroupInfo]:
         return [group.info() for group in self.groups()]
