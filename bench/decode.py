@@ -25,7 +25,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import out_dir, write_json  # noqa: E402
-from graphguard.engine.config import PRESETS, EngineConfig, ModelConfig  # noqa: E402
+from graphguard.engine.config import PRESETS, ModelConfig, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.loader import LoadedModel, config_to_hf  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
@@ -56,7 +56,7 @@ def prompts(num: int, vocab: int) -> list[list[int]]:
 
 
 def engine_tok_s(loaded: LoadedModel, concurrency: int, eager: bool) -> tuple[float, dict]:
-    config = EngineConfig(
+    config = engine_config(
         enforce_eager=eager,
         max_num_seqs=64,
         max_model_len=PROMPT_LEN + NEW_TOKENS + 16,

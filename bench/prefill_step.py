@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import graphguard.engine.model_runner as model_runner  # noqa: E402
 from bench.decode import NumberTokenizer  # noqa: E402
 from bench.timing import write_json  # noqa: E402
-from graphguard.engine.config import PRESETS, EngineConfig  # noqa: E402
+from graphguard.engine.attention import per_sequence_groups  # noqa: E402
+from graphguard.engine.config import PRESETS, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.loader import LoadedModel  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
@@ -39,9 +40,9 @@ WARMUP_WAVES, TIMED_WAVES = 3, 5
 
 @contextmanager
 def per_sequence_attention() -> Iterator[None]:
-    """Plan no prefill groups: every sequence gets its own attention call per layer."""
+    """Plan a group per sequence: every sequence gets its own attention call per layer."""
     planned = model_runner.plan_prefill_groups
-    model_runner.plan_prefill_groups = lambda *args: None  # type: ignore[assignment]
+    model_runner.plan_prefill_groups = per_sequence_groups
     try:
         yield
     finally:
@@ -71,7 +72,7 @@ def prefill_ms(engine: LLMEngine, num_seqs: int, length: int, wave: int) -> floa
 
 def measure(loaded: LoadedModel, device: str, eager: bool, waves: list[tuple[int, int]]):
     longest = max(n * length for n, length in waves)
-    config = EngineConfig(
+    config = engine_config(
         device=device,
         enforce_eager=eager,
         max_num_seqs=max(n for n, _ in waves),

@@ -1,7 +1,7 @@
 """Segmented prefill graphs vs eager: prefill, image requests, and eight-question churn.
 
 SmolLM2-135M shape with random weights (bf16) and the random-weight vision encoder; attention
-runs eagerly between graphed segments (graphguard.engine.prefill_graphs). Workloads:
+runs eagerly between graphed segments (graphguard.engine.forward, prefill_graphs). Workloads:
 
 - prefill: one text prompt of T tokens, per-call ms, eager vs replayed segment groups;
 - image: vision encoding + prefill of an image-plus-text prompt, eager vs segmented;
@@ -34,15 +34,15 @@ import graphguard as gg  # noqa: E402
 from bench.timing import latencies_ms, per_call_ms, percentile, write_json  # noqa: E402
 from graphguard.engine.attention import AttentionMetadata  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
-from graphguard.engine.kv import PagedKVStorage  # noqa: E402
-from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.prefill_graphs import (  # noqa: E402
+from graphguard.engine.forward import (  # noqa: E402
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
+from graphguard.engine.kv import PagedKVStorage  # noqa: E402
+from graphguard.engine.models import build_model  # noqa: E402
 from graphguard.engine.vision import VisionConfig, build_vision_encoder  # noqa: E402
 from graphguard.segmented import SegmentedRunner  # noqa: E402
 

@@ -20,7 +20,6 @@ _TINY = ModelConfig(
     rms_norm_eps=1e-6,
     max_position_embeddings=256,
     tie_word_embeddings=True,
-    qk_norm=False,
     bos_token_id=1,
     eos_token_ids=(2,),
 )
@@ -28,5 +27,5 @@ _TINY = ModelConfig(
 
 def tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
     """Two layers of width 32: Llama by default; Qwen3 (q/k norm, untied head) on request."""
-    family = {"arch": arch, "qk_norm": arch == "qwen3", "tie_word_embeddings": arch == "llama"}
+    family = {"arch": arch, "tie_word_embeddings": arch == "llama"}
     return dataclasses.replace(_TINY, **{**family, **overrides})

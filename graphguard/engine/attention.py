@@ -91,6 +91,22 @@ def plan_prefill_groups(
     return tuple(_build_group(g, query_lens, starts, device) for g in groups) + continued
 
 
+def per_sequence_groups(
+    query_lens: list[int], seq_lens: list[int], device: torch.device | str
+) -> tuple[PrefillGroup, ...]:
+    """A plan with every sequence in a group of its own: one attention call per sequence and
+    layer (the reference the grouped plan is measured and tested against)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return tuple(
+        PrefillGroup(1, q, starts[i], starts[i + 1])
+        if q == s
+        else PrefillGroup(1, q, starts[i], starts[i + 1], i, s)
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
+    )
+
+
 def _build_group(
     group: list[int], lens: list[int], starts: list[int], device: torch.device | str
 ) -> PrefillGroup:
@@ -137,7 +153,8 @@ class AttentionMetadata:
     query_start_loc: Tensor  # [num_seqs + 1] int32, on gpu: cumulative query lengths
     seq_lens_cpu: list[int] | None = None  # prefill only (prefill is eager)
     query_lens_cpu: list[int] | None = None  # prefill only
-    prefill_groups: tuple[PrefillGroup, ...] | None = None  # prefill only: batched attention
+    # prefill only: how the sequences share attention calls (None: plan_prefill_groups)
+    prefill_groups: tuple[PrefillGroup, ...] | None = None
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -204,42 +221,17 @@ def paged_prefill_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> Tensor:
-    """Causal attention of each sequence's new tokens over its cached + new tokens (eager).
-
-    Expects the new K/V to be written to the cache already. Sequences without cached tokens
-    attend over the new k/v directly.
-    """
-    if meta.prefill_groups is not None:
-        return _grouped_prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
-    if meta.seq_lens_cpu is None or meta.query_lens_cpu is None:
-        raise ValueError("prefill needs seq_lens_cpu and query_lens_cpu")
+    """Causal attention of each sequence's new tokens over its cached + new tokens (eager):
+    one call per PrefillGroup of ``meta.prefill_groups`` (planned here when the metadata has
+    none). Expects the new K/V to be written to the cache already; sequences without cached
+    tokens attend over the new k/v directly."""
+    groups = meta.prefill_groups
+    if groups is None:
+        if meta.seq_lens_cpu is None or meta.query_lens_cpu is None:
+            raise ValueError("prefill needs seq_lens_cpu and query_lens_cpu")
+        groups = plan_prefill_groups(meta.query_lens_cpu, meta.seq_lens_cpu, q.device)
     out = torch.empty_like(q)
-    start = 0
-    lens = zip(meta.seq_lens_cpu, meta.query_lens_cpu, strict=True)
-    for row, (seq_len, query_len) in enumerate(lens):
-        end = start + query_len
-        if seq_len == query_len:
-            k_seq, v_seq = k[start:end], v[start:end]
-        else:
-            k_seq, v_seq = _gather_context(k_cache, v_cache, meta.block_tables[row], seq_len)
-        out[start:end] = _causal_sdpa(q[start:end], k_seq, v_seq, scale)
-        start = end
-    return out
-
-
-def _grouped_prefill_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> Tensor:
-    """Causal attention, one call per PrefillGroup of ``meta.prefill_groups``."""
-    assert meta.prefill_groups is not None
-    out = torch.empty_like(q)
-    for group in meta.prefill_groups:
+    for group in groups:
         rows = slice(group.start, group.end)
         if group.cached_row is not None:
             table = meta.block_tables[group.cached_row]

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+from graphguard.core.admission import AdmissionConfig
+
+# The model families the engine runs: arch -> the Hugging Face architecture name it loads.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder (Llama, Qwen3)."""
 
-    arch: str  # "llama" | "qwen3"
+    arch: str  # a key of ARCHITECTURES (qwen3 adds RMSNorm on each head of q and k)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -21,13 +27,13 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qk_norm: bool  # True for qwen3: RMSNorm on each head of q and k before RoPE
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "qwen3"):
-            raise ValueError(f"unsupported arch {self.arch!r}; expected 'llama' or 'qwen3'")
+        if self.arch not in ARCHITECTURES:
+            expected = " or ".join(repr(a) for a in ARCHITECTURES)
+            raise ValueError(f"unsupported arch {self.arch!r}; expected {expected}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of "
@@ -50,7 +56,6 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
-        qk_norm=False,
         bos_token_id=1,
         eos_token_ids=(2,),
     ),
@@ -67,11 +72,41 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6,
         max_position_embeddings=40960,
         tie_word_embeddings=True,
-        qk_norm=True,
         bos_token_id=151643,
         eos_token_ids=(151645,),
     ),
 }
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How the engine uses CUDA graphs; graphguard/engine/graphs.py builds them from this."""
+
+    enforce_eager: bool = False  # decode and prefill eagerly, never through graphs
+    backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
+    # each graph holds its own cuBLAS workspace (32 MiB with serve's CUBLAS_WORKSPACE_CONFIG),
+    # so 2 GiB keeps every decode key of a 32-sequence server resident
+    max_bytes: int = 2 << 30  # budget of the decode graphs, and separately of the prefill ones
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    manifest: str | None = None  # prewarm the decode graphs of this manifest at start
+    warmup: bool = False  # capture every decode (batch, width) key at start, in budget
+    prefill: bool = True  # segmented prefill graphs next to decode graphs
+    verify: str = "exact"  # parity before admission: "exact" | "off"
+    reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
+    admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())
+    prefill_admission: AdmissionConfig | None = None  # prefill groups (None: AdmissionConfig())
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "cuda", "sim"):
+            raise ValueError(f"graph backend must be auto, cuda or sim, got {self.backend!r}")
+        if self.verify not in ("exact", "off"):
+            raise ValueError(f"graph verify must be exact or off, got {self.verify!r}")
+        if self.reverify_every < 0:
+            raise ValueError(f"reverify_every must be >= 0, got {self.reverify_every}")
+        if self.max_bytes < 0:
+            raise ValueError(f"max graph bytes must be >= 0, got {self.max_bytes}")
+        if not self.batch_buckets or any(b <= 0 for b in self.batch_buckets):
+            raise ValueError(f"batch buckets must be positive, got {self.batch_buckets}")
 
 
 @dataclass(frozen=True)
@@ -81,25 +116,15 @@ class EngineConfig:
     model: str | None = None  # load_model source: None/"embedded", a HF folder, or a .gguf file
     device: str = "auto"  # "auto" -> cuda if available else cpu
     dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
-    enforce_eager: bool = False
-    # each graph holds its own cuBLAS workspace (32 MiB with serve's CUBLAS_WORKSPACE_CONFIG),
-    # so 2 GiB keeps every decode key of a 32-sequence server resident
-    max_graph_bytes: int = 2 << 30
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 -> max_num_seqs full-length requests, within a memory allowance
     seed: int = 0
-    graph_backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
-    graph_manifest: str | None = None  # prewarm the decode graphs of this manifest at start
-    warmup_graphs: bool = False  # capture every decode (batch, width) key at start, in budget
-    prefill_graphs: bool = True  # segmented prefill graphs next to decode graphs
+    graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
-        if self.graph_backend not in ("auto", "cuda", "sim"):
-            raise ValueError(f"graph_backend must be auto, cuda or sim, got {self.graph_backend!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -112,3 +137,24 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+
+
+# The engine's settings as flat names (the serve flags' vocabulary: --enforce-eager,
+# --max-graph-bytes, ...) -> the GraphConfig field each one sets.
+GRAPH_SETTINGS = {
+    "enforce_eager": "enforce_eager",
+    "graph_backend": "backend",
+    "max_graph_bytes": "max_bytes",
+    "batch_buckets": "batch_buckets",
+    "graph_manifest": "manifest",
+    "warmup_graphs": "warmup",
+    "prefill_graphs": "prefill",
+}
+
+
+def engine_config(**settings: Any) -> EngineConfig:
+    """An EngineConfig from flat settings: EngineConfig fields, plus the graph settings of
+    GRAPH_SETTINGS (``engine_config(max_model_len=256, enforce_eager=True)``)."""
+    graphs = {GRAPH_SETTINGS[k]: settings.pop(k) for k in list(settings) if k in GRAPH_SETTINGS}
+    base = settings.pop("graphs", GraphConfig())
+    return EngineConfig(**settings, graphs=replace(base, **graphs))

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from graphguard.core.export import model_identity
 from graphguard.engine.config import EngineConfig, ModelConfig
-from graphguard.engine.decode_graphs import DecodeGraphs, install_decode_graphs
+from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.detokenize import IncrementalDetokenizer
+from graphguard.engine.forward import EagerForward
+from graphguard.engine.graphs import EngineGraphs, build_graphs
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner
-from graphguard.engine.prefill_graphs import PrefillGraphs, install_prefill_graphs
 from graphguard.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -85,10 +87,27 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self.runner = ModelRunner(self.model, self.kv, self.device)
-        self.graphs: DecodeGraphs | None = None  # when the capability proof passes
-        self.graphs_disabled_reason: str | None = None
-        self.on_reload: list[Callable[[], None]] = []  # run before new weights are loaded
+        self.forward = EagerForward(self.model, self.kv)
+        built = build_graphs(
+            config.graphs,
+            self.forward,
+            scheduler_kv=self.scheduler.kv,
+            device=self.device,
+            model_identity=model_identity(
+                loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
+            ),
+            warmup_keys=warmup_shapes(config, self.max_model_len),
+        )
+        # when the capability proof passes; else why decode runs eagerly
+        self.graphs: EngineGraphs | None = built if isinstance(built, EngineGraphs) else None
+        self.graphs_disabled_reason = None if self.graphs else str(built)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv,
+            self.device,
+            decode_fn=self.graphs.decode_fn if self.graphs else self.forward.decode,
+            prefill_fn=self.graphs.prefill_fn if self.graphs else self.forward.prefill,
+        )
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
@@ -96,9 +115,6 @@ class LLMEngine:
         self._is_shut_down = False
         self._num_steps = 0
         self._num_generated_tokens = 0
-        install_decode_graphs(self)
-        self.prefill_graphs: PrefillGraphs | None = None  # when decode graphs are on
-        install_prefill_graphs(self)
         # Image input (random-weight tower; see graphguard/engine/vision.py).
         hidden_size = self.model_config.hidden_size
         self.vision = engine_vision_encoder(
@@ -220,7 +236,7 @@ class LLMEngine:
             try:
                 logits = self.runner.run(batch)
                 # Prefills that stop mid-prompt (chunked) get no token this step.
-                rows = [i for i, seq in enumerate(batch.seqs) if batch.completes(seq)]
+                rows = [i for i, done in enumerate(batch.completes) if done]
                 seqs = [batch.seqs[i] for i in rows]
                 if len(rows) < len(batch.seqs):
                     logits = logits[rows]
@@ -331,12 +347,10 @@ class LLMEngine:
         """The resident graphs as /v1/graphs shows them: decode stats with the prefill graphs'
         under "prefill", or {"enabled": False, "reason": ...}. Takes the graph runners' locks,
         not the engine's: call it off the event loop."""
-        graphs, prefill = self.graphs, self.prefill_graphs
+        graphs = self.graphs
         if graphs is None:
             return {"enabled": False, "reason": self.graphs_off_reason}
-        report = graphs.stats()
-        report["prefill"] = prefill.stats() if prefill is not None else None
-        return report
+        return graphs.stats()
 
     def stats(self) -> dict:
         """A snapshot of queue lengths, KV use and counters."""
@@ -356,14 +370,14 @@ class LLMEngine:
             }
 
     def reload_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Swap in new weights in place; ``on_reload`` callbacks run first (graph invalidation).
+        """Swap in new weights in place; every graph is retired first (it read the old ones).
 
         Running requests continue; their cached KV was computed with the old weights.
         """
         with self.lifecycle_lock:
             self._check_open()
-            for callback in self.on_reload:
-                callback()
+            if self.graphs is not None:
+                self.graphs.invalidate()
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
 
@@ -379,12 +393,7 @@ class LLMEngine:
             self._pending.clear()
             graphs, self.graphs = self.graphs, None
             if graphs is not None:
-                graphs.close()
-            self.runner.decode_fn = self.runner.eager_decode
-            prefill, self.prefill_graphs = self.prefill_graphs, None
-            if prefill is not None:
-                prefill.close()
-            self.runner.prefill_fn = self.runner.eager_prefill
+                graphs.close()  # closed runners run eagerly if called; no step runs from here
             self.kv.release()
 
     def _check_open(self) -> None:

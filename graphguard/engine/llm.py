@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from graphguard.engine.config import EngineConfig
+from graphguard.engine.config import engine_config
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.sampling import SamplingParams, TokenLogprob
@@ -30,13 +30,14 @@ class LLM:
     """Batch generation over an LLMEngine.
 
     ``model`` is a load_model source (None = the embedded model) or an already LoadedModel;
-    ``engine_kwargs`` are EngineConfig fields.
+    ``engine_kwargs`` are EngineConfig fields or the flat graph settings (``enforce_eager``,
+    ``max_graph_bytes``, ...; see graphguard.engine.config.engine_config).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, **engine_kwargs: object) -> None:
         loaded = model if isinstance(model, LoadedModel) else None
         source = None if loaded is not None else model
-        config = EngineConfig(model=source, **engine_kwargs)  # type: ignore[arg-type]
+        config = engine_config(model=source, **engine_kwargs)
         self.engine = LLMEngine(config, loaded)
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()

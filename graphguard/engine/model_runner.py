@@ -1,10 +1,10 @@
 """Turns a scheduled batch into model inputs and logits.
 
 Prefills run as one call over the packed tokens of all prefilling sequences, through
-``prefill_fn`` (eager; segmented prefill graphs may replace it), image rows spliced in. Decode rows
-go through ``decode_fn``, which the graph layer may replace with a graph-backed callable of the
-same signature; its inputs depend only on (num_seqs, width), with the block-table width padded
-up to a power-of-two number of blocks so that few shapes recur.
+``prefill_fn``, image rows spliced in. Decode rows go through ``decode_fn``; its inputs depend
+only on (num_seqs, width), with the block-table width padded up to a power-of-two number of
+blocks so that few shapes recur. Both functions are given when the runner is built: the eager
+ones (graphguard/engine/forward.py) or the engine's graphs of the same signatures.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.forward import ImageSplice, image_splice
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
-from graphguard.engine.prefill_graphs import ImageSplice, eager_prefill, image_splice
 from graphguard.engine.sampling import token_logprobs
 from graphguard.engine.scheduler import ScheduledBatch
 from graphguard.engine.sequence import Sequence
@@ -41,13 +41,21 @@ def width_bucket(num_blocks: int) -> int:
 class ModelRunner:
     """Prepares AttentionMetadata for scheduled sequences and runs the model."""
 
-    def __init__(self, model: DecoderModel, kv: PagedKVStorage, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv: PagedKVStorage,
+        device: torch.device,
+        *,
+        decode_fn: DecodeFn,
+        prefill_fn: PrefillFn,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
-        self.decode_fn: DecodeFn = self.eager_decode
-        self.prefill_fn: PrefillFn = self.eager_prefill
+        self.decode_fn = decode_fn
+        self.prefill_fn = prefill_fn
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -56,7 +64,7 @@ class ModelRunner:
         if batch.decodes:
             parts.append(self.decode(batch.decodes))
         if batch.prefills:
-            parts.append(self.prefill(batch.prefills, batch.chunks))
+            parts.append(self.prefill(batch.prefill_seqs, batch.chunks))
         # batch.seqs is decodes then prefills, so concatenation restores request order.
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
@@ -126,39 +134,6 @@ class ModelRunner:
             ),
         )
         return logits[: len(seqs)].float()
-
-    def eager_decode(
-        self,
-        input_ids_gpu: Tensor,
-        positions_gpu: Tensor,
-        block_tables_gpu: Tensor,
-        seq_lens_gpu: Tensor,
-        slot_mapping_gpu: Tensor,
-    ) -> Tensor:
-        """The default decode_fn: the model's eager forward and compute_logits."""
-        num_seqs = input_ids_gpu.shape[0]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=slot_mapping_gpu,
-            block_tables=block_tables_gpu,
-            seq_lens=seq_lens_gpu,
-            query_start_loc=torch.arange(
-                num_seqs + 1, dtype=torch.int32, device=input_ids_gpu.device
-            ),
-        )
-        with torch.no_grad():
-            hidden = self.model(input_ids_gpu, positions_gpu, meta, self.kv)
-            return self.model.compute_logits(hidden)
-
-    def eager_prefill(
-        self,
-        input_ids_gpu: Tensor,
-        positions_gpu: Tensor,
-        meta: AttentionMetadata,
-        splice: ImageSplice | None,
-    ) -> Tensor:
-        """The default prefill_fn: the model's eager forward, with image rows spliced in."""
-        return eager_prefill(self.model, self.kv, input_ids_gpu, positions_gpu, meta, splice)
 
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from graphguard.engine.sequence import Sequence, SequenceStatus, num_blocks_for
 
@@ -34,29 +34,48 @@ class BlockPool(Protocol):
     def free(self, blocks: list[int]) -> None: ...
 
 
+class PrefillChunk(NamedTuple):
+    """The next `num_tokens` uncached tokens of `seq`, prefilled in one step."""
+
+    seq: Sequence
+    num_tokens: int
+    completes: bool  # the chunk ends the prompt, so the step samples the next token
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> PrefillChunk:
+        return cls(seq, num_tokens, seq.num_cached_tokens + num_tokens == seq.num_tokens)
+
+
 @dataclass
 class ScheduledBatch:
     """One step's work. ``seqs`` is the request order in which outputs are returned."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one query token each
-    prefills: list[Sequence] = field(default_factory=list)  # a chunk of their uncached tokens
-    chunks: list[int] = field(default_factory=list)  # tokens of each prefill in this step
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def prefill_seqs(self) -> list[Sequence]:
+        return [chunk.seq for chunk in self.prefills]
+
+    @property
+    def chunks(self) -> list[int]:
+        """Tokens of each prefill in this step."""
+        return [chunk.num_tokens for chunk in self.prefills]
 
     @property
     def seqs(self) -> list[Sequence]:
         # Decodes were admitted before this step's prefills, so this is admission order.
-        return self.decodes + self.prefills
+        return self.decodes + self.prefill_seqs
+
+    @property
+    def completes(self) -> list[bool]:
+        """Per row of ``seqs``: whether it gets its next token from this step (every decode;
+        a prefill whose chunk ends its prompt). Fixed when the batch was scheduled."""
+        return [True] * len(self.decodes) + [chunk.completes for chunk in self.prefills]
 
     @property
     def num_batched_tokens(self) -> int:
         return len(self.decodes) + sum(self.chunks)
-
-    def completes(self, seq: Sequence) -> bool:
-        """Whether `seq` gets its next token from this step (a decode, or a last chunk)."""
-        if seq not in self.prefills:
-            return True
-        chunk = self.chunks[self.prefills.index(seq)]
-        return seq.num_cached_tokens + chunk == seq.num_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -92,21 +111,18 @@ class Scheduler:
             if seq in decodes or budget <= 0:
                 continue
             chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
-            batch.prefills.append(seq)
-            batch.chunks.append(chunk)
+            batch.prefills.append(PrefillChunk.of(seq, chunk))
             budget -= chunk
         # After a preemption the pool is short; admitting now would only preempt again.
         if not did_preempt:
-            for seq, chunk in self._admit(budget):
-                batch.prefills.append(seq)
-                batch.chunks.append(chunk)
+            batch.prefills += [PrefillChunk.of(seq, chunk) for seq, chunk in self._admit(budget)]
         return batch
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the step ran: prefills that did not finish have their chunk's KV written."""
-        for seq, chunk in zip(batch.prefills, batch.chunks, strict=True):
-            if not batch.completes(seq):
-                seq.num_cached_tokens += chunk
+        for chunk in batch.prefills:
+            if not chunk.completes:
+                chunk.seq.num_cached_tokens += chunk.num_tokens
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence and return its blocks to the pool."""

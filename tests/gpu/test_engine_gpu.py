@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from bench.decode import NumberTokenizer
-from graphguard.core.admission import AdmissionConfig, AdmissionPolicy
-from graphguard.core.verify import VerifyConfig
-from graphguard.engine.config import PRESETS, EngineConfig
-from graphguard.engine.decode_graphs import DecodeGraphs
+from graphguard.core.admission import AdmissionConfig
+from graphguard.engine.config import PRESETS, GraphConfig, engine_config
 from graphguard.engine.engine import LLMEngine
+from graphguard.engine.graphs import EngineGraphs
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
@@ -36,7 +35,7 @@ def make(loaded: LoadedModel, **overrides) -> LLMEngine:
         num_kv_blocks=32 * 6 + 1,
         batch_buckets=(1, 2, 4, 8, 16, 32),
     )
-    return LLMEngine(EngineConfig(**{**settings, **overrides}), loaded)
+    return LLMEngine(engine_config(**{**settings, **overrides}), loaded)
 
 
 def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
@@ -63,17 +62,15 @@ def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
 def test_graphs_are_on_with_the_capability_proof(loaded):
     engine = make(loaded)
     try:
-        assert isinstance(engine.graphs, DecodeGraphs) and engine.graphs_disabled_reason is None
+        assert isinstance(engine.graphs, EngineGraphs) and engine.graphs_disabled_reason is None
     finally:
         engine.shutdown()
 
 
 def test_decode_replays_are_bitwise_equal_to_eager_for_buckets_1_to_32(loaded):
-    eager, graphs = make(loaded, enforce_eager=True), make(loaded)
-    runner = graphs.graphs.runner
-    runner.verify = VerifyConfig("exact", reverify_every=1)  # every replay checked
     capture_all = AdmissionConfig(min_hits=1, max_capture_fraction=1.0)
-    runner.policy = AdmissionPolicy(capture_all, runner.clock)
+    checked = GraphConfig(admission=capture_all, reverify_every=1)  # every replay checked
+    eager, graphs = make(loaded, enforce_eager=True), make(loaded, graphs=checked)
     try:
         expected, got = staggered(eager), staggered(graphs)
         stats = graphs.graphs.stats()
@@ -114,7 +111,7 @@ def test_reload_invalidates_graphs_and_new_weights_are_used(loaded):
     eager, graphs = make(loaded, enforce_eager=True), make(loaded)
     try:
         staggered(graphs, num=4)
-        captured = graphs.graphs.runner._cache.entries()
+        captured = graphs.graphs.decode.runner._cache.entries()
         assert captured
         state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
         changed = {k: v * 1.01 if k.endswith("down_proj.weight") else v for k, v in state.items()}
@@ -169,12 +166,11 @@ def test_decode_and_prefill_graphs_charge_what_the_allocator_holds(loaded):
                 engine.add_request(f"w{wave}-{index}", prompt, GREEDY)
             while engine.has_unfinished_requests():
                 engine.step()
-        decode, prefill = engine.graphs.stats(), engine.prefill_graphs.stats()
+        decode, prefill = engine.graphs.decode.stats(), engine.graphs.prefill.stats()
         charged = decode["resident_bytes"] + prefill["resident_bytes"]
         assert decode["entries"] > 0 and prefill["groups"] > 0, (decode, prefill)
         with_graphs = settled_reserved()
-        engine.graphs.invalidate()
-        engine.prefill_graphs.invalidate()
+        engine.graphs.invalidate()  # the decode and the prefill graphs
         without = settled_reserved()
         # what the graphs are charged is what the device gives back when they go
         assert abs((with_graphs - without) - charged) <= 2 << 20, (with_graphs, without, charged)

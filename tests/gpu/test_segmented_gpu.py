@@ -20,15 +20,15 @@ from graphguard.core.admission import AdmissionConfig  # noqa: E402
 from graphguard.core.backends import CudaBackend  # noqa: E402
 from graphguard.engine.attention import AttentionMetadata  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
-from graphguard.engine.kv import PagedKVStorage  # noqa: E402
-from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.prefill_graphs import (  # noqa: E402
+from graphguard.engine.forward import (  # noqa: E402
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
+from graphguard.engine.kv import PagedKVStorage  # noqa: E402
+from graphguard.engine.models import build_model  # noqa: E402
 from graphguard.engine.vision import VisionConfig, build_vision_encoder  # noqa: E402
 from graphguard.segmented import SegmentedRunner  # noqa: E402
 

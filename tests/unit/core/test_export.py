@@ -381,12 +381,12 @@ def tiny_loaded(name: str = "tiny", num_layers: int = 2):
 
 
 def tiny_engine(loaded, **overrides):
-    from graphguard.engine.config import EngineConfig
+    from graphguard.engine.config import engine_config
     from graphguard.engine.engine import LLMEngine
 
     settings = dict(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=64, block_size=4)
     settings.update(num_kv_blocks=40, batch_buckets=(1, 2, 4), graph_backend="sim")
-    return LLMEngine(EngineConfig(**{**settings, **overrides}), loaded)
+    return LLMEngine(engine_config(**{**settings, **overrides}), loaded)
 
 
 def decode_a_while(engine) -> None:
@@ -405,9 +405,9 @@ def decode_manifest(tmp_path) -> tuple[Path, set]:
     try:
         decode_a_while(engine)
         path = tmp_path / "decode.json"
-        manifest = engine.graphs.export(path)
+        manifest = engine.graphs.decode.export(path)
         assert manifest["model"]["name"] == "tiny" and manifest["graphs"]
-        return path, set(engine.graphs.runner.admitted_keys())
+        return path, set(engine.graphs.decode.runner.admitted_keys())
     finally:
         engine.shutdown()
 
@@ -416,7 +416,7 @@ def test_engine_with_a_graph_manifest_starts_with_the_same_decode_keys(decode_ma
     path, keys = decode_manifest
     engine = tiny_engine(tiny_loaded(), graph_manifest=str(path))
     try:
-        assert set(engine.graphs.runner.admitted_keys()) == keys
+        assert set(engine.graphs.decode.runner.admitted_keys()) == keys
         assert engine.graphs.stats()["captures"] == len(keys)
     finally:
         engine.shutdown()
@@ -426,7 +426,7 @@ def test_engine_refuses_a_manifest_of_another_model_and_starts_lazily(decode_man
     path, _ = decode_manifest
     engine = tiny_engine(tiny_loaded(num_layers=3), graph_manifest=str(path))
     try:
-        assert engine.graphs.runner.admitted_keys() == []
+        assert engine.graphs.decode.runner.admitted_keys() == []
         refusals = engine.graphs.metrics.prewarm_refusals.labels("model")
         assert refusals._value.get() == 1
         decode_a_while(engine)
@@ -439,8 +439,8 @@ def test_serve_flag_graph_manifest_reaches_the_engine_config():
     from graphguard.server.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(["--graph-manifest", "/srv/decode.json"])
-    assert config_from_args(args).engine.graph_manifest == "/srv/decode.json"
-    assert config_from_args(build_parser().parse_args([])).engine.graph_manifest is None
+    assert config_from_args(args).engine.graphs.manifest == "/srv/decode.json"
+    assert config_from_args(build_parser().parse_args([])).engine.graphs.manifest is None
 
 
 def test_a_manifest_key_that_cannot_be_built_is_skipped_not_raised(make_runner, manifest_path):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.engine.config import EngineConfig
+from graphguard.engine.config import engine_config
 from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.sampling import SamplingParams
@@ -42,7 +42,7 @@ def one_torch_thread() -> Iterator[None]:
 
 def make_engine(loaded: LoadedModel, **overrides: Any) -> LLMEngine:
     """An engine with SMALL_ENGINE settings (overridable) on an already loaded model."""
-    return LLMEngine(EngineConfig(**{**SMALL_ENGINE, **overrides}), loaded)
+    return LLMEngine(engine_config(**{**SMALL_ENGINE, **overrides}), loaded)
 
 
 def run_to_completion(engine: LLMEngine) -> dict[str, list[RequestOutput]]:

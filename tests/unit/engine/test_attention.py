@@ -14,6 +14,7 @@ from graphguard.engine.attention import (
     AttentionMetadata,
     paged_decode_attention,
     paged_prefill_attention,
+    per_sequence_groups,
     plan_prefill_groups,
     write_kv,
 )
@@ -194,6 +195,7 @@ def test_grouped_prefill_with_a_continued_prefill_equals_one_at_a_time() -> None
     write_kv(*cache, k, v, torch.tensor(slots))
 
     def meta(grouped: bool) -> AttentionMetadata:
+        plan = plan_prefill_groups if grouped else per_sequence_groups
         return AttentionMetadata(
             is_prefill=True,
             slot_mapping=torch.tensor(slots),
@@ -202,7 +204,7 @@ def test_grouped_prefill_with_a_continued_prefill_equals_one_at_a_time() -> None
             query_start_loc=torch.tensor([0, 4, 7], dtype=torch.int32),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
-            prefill_groups=plan_prefill_groups(query_lens, seq_lens, "cpu") if grouped else None,
+            prefill_groups=plan(query_lens, seq_lens, "cpu"),
         )
 
     grouped = paged_prefill_attention(q, k, v, *cache, meta(True), SCALE)
@@ -216,6 +218,7 @@ def test_grouped_prefill_with_a_continued_prefill_equals_one_at_a_time() -> None
 
 def grouped_meta(lens: list[int], grouped: bool) -> AttentionMetadata:
     starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
+    plan = plan_prefill_groups if grouped else per_sequence_groups
     return AttentionMetadata(
         is_prefill=True,
         slot_mapping=torch.zeros(sum(lens), dtype=torch.int64),
@@ -224,7 +227,7 @@ def grouped_meta(lens: list[int], grouped: bool) -> AttentionMetadata:
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens_cpu=lens,
         query_lens_cpu=lens,
-        prefill_groups=plan_prefill_groups(lens, lens, "cpu") if grouped else None,
+        prefill_groups=plan(lens, lens, "cpu"),
     )
 
 

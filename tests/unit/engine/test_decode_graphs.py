@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.config import EngineConfig
-from graphguard.engine.decode_graphs import DecodeGraphs, GraphCapability, warmup_shapes
+from graphguard.engine.config import GraphConfig, engine_config
+from graphguard.engine.decode_graphs import warmup_shapes
+from graphguard.engine.forward import EagerForward
+from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.model_runner import width_bucket
 from graphguard.engine.sampling import SamplingParams
@@ -43,7 +45,7 @@ def test_graphs_on_give_the_same_tokens_as_graphs_off(embedded_model):
     eager = make_engine(embedded_model, enforce_eager=True)
     graphs = make_engine(embedded_model, graph_backend="sim")
     try:
-        assert isinstance(graphs.graphs, DecodeGraphs)
+        assert isinstance(graphs.graphs, EngineGraphs)
         assert generate(graphs) == generate(eager)
         stats = graphs.graphs.stats()
         assert stats["replays"] > 0 and stats["captures"] > 0
@@ -81,23 +83,22 @@ def test_kill_switch_at_start_keeps_graphs_off(embedded_model, monkeypatch):
 
 
 def test_kv_identity_mismatch_keeps_graphs_off(embedded_model):
-    from graphguard.engine.decode_graphs import check_capability
-
-    engine = make_engine(embedded_model, graph_backend="sim")
-    try:
-        engine.runner.kv = PagedKVStorage(
-            num_layers=1,
-            num_kv_heads=1,
-            head_dim=4,
-            num_blocks=2,
-            block_size=4,
-            dtype=torch.float32,
-            device="cpu",
-        )
-        assert check_capability(engine, "sim") is GraphCapability.KV_IDENTITY_MISMATCH
-    finally:
-        engine.runner.kv = engine.kv
-        engine.shutdown()
+    other_kv = PagedKVStorage(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=4,
+        num_blocks=2,
+        block_size=4,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    forward = EagerForward(embedded_model.model, other_kv)
+    sim = GraphConfig(backend="sim")
+    cpu = torch.device("cpu")
+    assert check_capability(sim, forward, other_kv, cpu) is GraphCapability.ENABLED
+    # the scheduler allocating from one KV while attention writes another: graphs stay off
+    scheduler_kv = object()
+    assert check_capability(sim, forward, scheduler_kv, cpu) is GraphCapability.KV_IDENTITY_MISMATCH
 
 
 def test_kill_switch_mid_run_falls_back_at_the_next_step(embedded_model, monkeypatch):
@@ -124,10 +125,17 @@ def test_reload_invalidates_graphs_before_the_new_weights_are_used(embedded_mode
     try:
         generate(engine, max_tokens=4, prompts={"a": PROMPTS["a"]})
         assert engine.graphs.stats()["entries"] > 0
+        captured = engine.graphs.decode.runner._cache.entries()
         seen = []
-        engine.on_reload.append(lambda: seen.append(engine.graphs.stats()["entries"]))
+        load = engine.model.load_state_dict
+
+        def watching_load(*args, **kwargs):
+            seen.append(all(e.is_retired for e in captured))
+            return load(*args, **kwargs)
+
+        engine.model.load_state_dict = watching_load  # type: ignore[method-assign]
         engine.reload_weights(engine.model.state_dict())
-        assert seen == [0]  # graphs were gone before the later callback and the load
+        assert seen == [True]  # every graph was retired before the new weights were loaded
         assert engine.graphs.stats()["evictions"] > 0
     finally:
         engine.shutdown()
@@ -159,15 +167,16 @@ def test_padded_rows_write_only_the_dummy_block(embedded_model):
 def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim", prefill_graphs=False)
     try:
-        assert isinstance(engine.graphs, DecodeGraphs) and engine.prefill_graphs is None
-        assert engine.runner.prefill_fn == engine.runner.eager_prefill
+        assert isinstance(engine.graphs, EngineGraphs) and engine.graphs.prefill is None
+        assert engine.runner.prefill_fn == engine.forward.prefill
         generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
         assert engine.graphs.stats()["replays"] > 0
     finally:
         engine.shutdown()
     default = make_engine(embedded_model, graph_backend="sim")
     try:
-        assert default.prefill_graphs is not None
+        assert default.graphs is not None and default.graphs.prefill is not None
+        assert default.runner.prefill_fn is default.graphs.prefill
     finally:
         default.shutdown()
 
@@ -185,7 +194,7 @@ def test_shutdown_releases_graphs(embedded_model):
 def test_warmup_captures_all_padding_keys_largest_first(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(1, 2))
     try:
-        report = engine.graphs.warmup(batch_sizes=(1, 2), widths=(1, 2), progress=False)
+        report = engine.graphs.decode.warmup(batch_sizes=(1, 2), widths=(1, 2), progress=False)
         assert len(report.captured) == 4 and not report.skipped
         assert engine.kv.num_used_blocks == 0
     finally:
@@ -193,7 +202,7 @@ def test_warmup_captures_all_padding_keys_largest_first(embedded_model):
 
 
 def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
-    config = EngineConfig(
+    config = engine_config(
         max_num_seqs=5, max_model_len=100, block_size=16, batch_buckets=(1, 2, 4, 8, 16)
     )
     batch_sizes, widths = warmup_shapes(config)
@@ -201,7 +210,7 @@ def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
     assert batch_sizes == [1, 2, 4, 8] and widths == [1, 2, 4, 8]
     for length in range(1, config.max_model_len + 1):
         assert width_bucket(-(-length // config.block_size)) in widths
-    wide = EngineConfig(max_num_seqs=40, max_model_len=64, batch_buckets=(1, 16))
+    wide = engine_config(max_num_seqs=40, max_model_len=64, batch_buckets=(1, 16))
     assert warmup_shapes(wide) == ([1, 16], [1, 2, 4])
     # The engine's own limit (the model's positions) bounds the widths, not the config's.
     assert warmup_shapes(wide, max_model_len=16) == ([1, 16], [1])

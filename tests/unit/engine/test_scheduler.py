@@ -41,7 +41,7 @@ def test_admits_waiting_requests_in_arrival_order() -> None:
     scheduler = _scheduler(num_usable_blocks=16)
     for name in "abc":
         scheduler.add(_seq(name, 5))
-    assert [s.request_id for s in scheduler.schedule().prefills] == ["a", "b", "c"]
+    assert [s.request_id for s in scheduler.schedule().prefill_seqs] == ["a", "b", "c"]
 
 
 def test_head_of_queue_that_does_not_fit_blocks_later_requests() -> None:
@@ -49,7 +49,7 @@ def test_head_of_queue_that_does_not_fit_blocks_later_requests() -> None:
     scheduler.add(_seq("small", 4))  # 1 block
     scheduler.add(_seq("big", 12))  # 3 blocks: only 2 left
     scheduler.add(_seq("tiny", 1))  # would fit, but must not overtake "big"
-    assert [s.request_id for s in scheduler.schedule().prefills] == ["small"]
+    assert [s.request_id for s in scheduler.schedule().prefill_seqs] == ["small"]
 
 
 def test_max_num_seqs_caps_the_running_set() -> None:
@@ -67,7 +67,7 @@ def test_token_budget_caps_the_prefills_of_one_step() -> None:
         scheduler.add(_seq(name, 4))
     batch = scheduler.schedule()
     # "c" gets the 2 tokens left as a first chunk; "d" waits.
-    assert [s.request_id for s in batch.prefills] == ["a", "b", "c"]
+    assert [s.request_id for s in batch.prefill_seqs] == ["a", "b", "c"]
     assert batch.chunks == [4, 4, 2] and batch.num_batched_tokens == 10
     assert [s.request_id for s in scheduler.waiting] == ["d"]
 
@@ -75,7 +75,7 @@ def test_token_budget_caps_the_prefills_of_one_step() -> None:
 def _run_chunked_step(scheduler: Scheduler) -> tuple[list[str], int]:
     """One step as the engine runs it: only sequences that complete get a token."""
     batch = scheduler.schedule()
-    done = [seq for seq in batch.seqs if batch.completes(seq)]
+    done = [seq for seq, ends in zip(batch.seqs, batch.completes, strict=True) if ends]
     scheduler.advance(batch)
     for seq in done:
         seq.append_token(7)
@@ -105,7 +105,7 @@ def test_a_step_decodes_the_running_and_prefills_the_newly_admitted() -> None:
     scheduler.add(_seq("b", 3))
     batch = scheduler.schedule()
     assert [s.request_id for s in batch.decodes] == ["a"]
-    assert [s.request_id for s in batch.prefills] == ["b"]
+    assert [s.request_id for s in batch.prefill_seqs] == ["b"]
     assert batch.num_batched_tokens == 1 + 3
 
 
@@ -143,7 +143,7 @@ def test_preempted_sequence_is_readmitted_to_recompute_prompt_and_output() -> No
     _run_step(scheduler)  # second preempted with 5 tokens
     scheduler.finish(first, "length")
     batch = scheduler.schedule()
-    assert batch.prefills == [second]
+    assert batch.prefill_seqs == [second]
     assert second.num_cached_tokens == 0 and second.num_tokens == 5
     assert len(second.block_table) == 2
 

@@ -61,7 +61,7 @@ def test_image_requests_give_the_same_tokens_with_graphs_as_eager(embedded_model
         for round_ in range(3):  # the same shape three times: captured on the second
             requests = {f"r{round_}": (prompt, [image(round_)])}
             assert generate(graphs, requests) == generate(eager, requests)
-        stats = graphs.prefill_graphs.stats()
+        stats = graphs.graphs.prefill.stats()
         assert stats["captures"] == 1 and stats["replays"] == 2
     finally:
         eager.shutdown()
@@ -71,15 +71,16 @@ def test_image_requests_give_the_same_tokens_with_graphs_as_eager(embedded_model
 def test_segmented_prefill_logits_equal_eager_bitwise_with_new_images(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim", **VISION_ENGINE)
     try:
-        assert isinstance(engine.prefill_graphs, PrefillGraphs)
+        prefill = engine.graphs.prefill
+        assert isinstance(prefill, PrefillGraphs) and engine.runner.prefill_fn is prefill
         prompt = image_prompt(engine, "Describe it.")
         for seed in range(3):
             graphed = prefill_logits(engine, prompt, [image(seed)])
-            engine.runner.prefill_fn = engine.runner.eager_prefill
+            engine.runner.prefill_fn = engine.forward.prefill
             eager = prefill_logits(engine, prompt, [image(seed)])
-            engine.runner.prefill_fn = engine.prefill_graphs
+            engine.runner.prefill_fn = prefill
             assert torch.equal(graphed, eager)
-        assert engine.prefill_graphs.stats()["replays"] == 2
+        assert prefill.stats()["replays"] == 2
     finally:
         engine.shutdown()
 
@@ -110,8 +111,8 @@ def test_prefill_graphs_follow_the_decode_capability_proof(embedded_model):
     eager = make_engine(embedded_model, enforce_eager=True, graph_backend="sim")
     auto = make_engine(embedded_model)
     try:
-        assert eager.prefill_graphs is None
-        assert auto.prefill_graphs is None or torch.cuda.is_available()
+        assert eager.graphs is None and eager.runner.prefill_fn == eager.forward.prefill
+        assert auto.graphs is None or torch.cuda.is_available()
     finally:
         eager.shutdown()
         auto.shutdown()
@@ -122,9 +123,9 @@ def test_reload_and_shutdown_retire_prefill_groups(embedded_model):
     prompt = image_prompt(engine, "Hi")
     for seed in range(2):
         prefill_logits(engine, prompt, [image(seed)])
-    prefill = engine.prefill_graphs
+    prefill = engine.graphs.prefill
     assert prefill.stats()["groups"] == 1
     engine.reload_weights(engine.model.state_dict())
     assert prefill.stats()["groups"] == 0 and prefill.stats()["evictions"] == 1
     engine.shutdown()
-    assert prefill.stats()["closed"] and engine.runner.prefill_fn == engine.runner.eager_prefill
+    assert prefill.stats()["closed"] and engine.graphs is None

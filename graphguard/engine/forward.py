@@ -1,0 +1,184 @@
+"""The eager forward passes the engine runs when no graph does, and the reference for graphs.
+
+`EagerForward` holds the two step functions over one model and its paged KV cache: `decode`
+(one token per row, logits) and `prefill` (packed tokens, hidden states, image rows spliced in).
+The graph runners capture exactly these, so graphs and eager share one definition.
+
+The prefill pipeline: the decoder cut around attention. One stage embeds the tokens (image
+embeddings spliced in), then each layer's attention runs eagerly (variable-length causal
+attention over the paged cache, host-side lengths), and the stage after it holds o_proj, the
+residual, the MLP and the next layer's norm, q/k/v projections and RoPE. The ops are those of
+DecoderModel.forward in the same order, so the pipeline run eagerly gives the same hidden
+states; graphguard.segmented captures its capturable stages (engine/prefill_graphs.py), and the
+same pipeline run eagerly is how image requests prefill when graphs are off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from graphguard.engine.attention import AttentionMetadata, paged_attention
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.models import DecoderModel
+from graphguard.engine.models.layers import DecoderLayer
+from graphguard.segmented import Carry, Stage, run_eager, split_segments
+
+if TYPE_CHECKING:
+    from graphguard.engine.sequence import Sequence
+
+
+class EagerForward:
+    """decode_fn and prefill_fn of one model over one paged KV cache, without graphs."""
+
+    def __init__(self, model: DecoderModel, kv: PagedKVStorage) -> None:
+        self.model = model
+        self.kv = kv
+
+    def decode(
+        self,
+        input_ids_gpu: Tensor,
+        positions_gpu: Tensor,
+        block_tables_gpu: Tensor,
+        seq_lens_gpu: Tensor,
+        slot_mapping_gpu: Tensor,
+    ) -> Tensor:
+        """Logits [B, vocab] of one query token per row: the model's forward and LM head."""
+        num_seqs = input_ids_gpu.shape[0]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=slot_mapping_gpu,
+            block_tables=block_tables_gpu,
+            seq_lens=seq_lens_gpu,
+            query_start_loc=torch.arange(
+                num_seqs + 1, dtype=torch.int32, device=input_ids_gpu.device
+            ),
+        )
+        with torch.no_grad():
+            hidden = self.model(input_ids_gpu, positions_gpu, meta, self.kv)
+            return self.model.compute_logits(hidden)
+
+    def prefill(
+        self,
+        input_ids_gpu: Tensor,
+        positions_gpu: Tensor,
+        meta: AttentionMetadata,
+        splice: ImageSplice | None,
+    ) -> Tensor:
+        """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in."""
+        return eager_prefill(self.model, self.kv, input_ids_gpu, positions_gpu, meta, splice)
+
+
+@dataclass(frozen=True)
+class ImageSplice:
+    """Rows of the packed prefill whose input embeddings come from images."""
+
+    rows: Tensor  # [n] int64, on gpu: indices into the packed tokens
+    embeds: Tensor  # [n, hidden], on gpu, model dtype
+
+
+@dataclass(frozen=True)
+class PrefillContext:
+    """What the eager attention stages read: host-side lengths and the KV cache."""
+
+    meta: AttentionMetadata
+    kv: PagedKVStorage
+
+
+def prefill_stages(model: DecoderModel) -> list[Stage]:
+    """The decoder as stages: embed, then per layer pre-attention | attention | post-attention."""
+    stages = [Stage("embed", _embed(model))]
+    for index, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        stages.append(Stage(f"pre{index}", _pre_attention(layer)))
+        stages.append(Stage(f"attn{index}", _attention(index, layer), eager=True))
+        stages.append(Stage(f"post{index}", _post_attention(layer)))
+    stages.append(Stage("norm", lambda h, cos, sin: (model.norm(h),)))
+    return stages
+
+
+def _embed(model: DecoderModel) -> Any:
+    def embed(ids: Tensor, positions: Tensor, image_mask: Tensor, image_h: Tensor) -> Carry:
+        h = model.embed_tokens(ids)
+        # NOTE: where() copies h exactly where the mask is false, so text rows match forward().
+        h = torch.where(image_mask[:, None], image_h, h)
+        cos, sin = model.rotary(positions, h.dtype)
+        return h, cos, sin
+
+    return embed
+
+
+def _pre_attention(layer: DecoderLayer) -> Any:
+    def pre(h: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+        return h, *layer.pre_attention(h, cos, sin), cos, sin
+
+    return pre
+
+
+def _attention(index: int, layer: DecoderLayer) -> Any:
+    scale = layer.self_attn.scale
+
+    def attention(ctx: PrefillContext, h: Tensor, q: Tensor, k: Tensor, v: Tensor, *rope: Tensor):
+        k_cache, v_cache = ctx.kv.k_cache[index], ctx.kv.v_cache[index]
+        return (h, paged_attention(q, k, v, k_cache, v_cache, ctx.meta, scale), *rope)
+
+    return attention
+
+
+def _post_attention(layer: DecoderLayer) -> Any:
+    def post(h: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+        return layer.post_attention(h, out), cos, sin
+
+    return post
+
+
+def image_splice(
+    seqs: list[Sequence], device: torch.device, chunks: list[int] | None = None
+) -> ImageSplice | None:
+    """Where the packed prefill of `seqs` (the next `chunks` uncached tokens of each, default
+    all) takes image embeddings; None without images."""
+    rows: list[int] = []
+    parts: list[Tensor] = []
+    start = 0
+    for index, seq in enumerate(seqs):
+        cached = seq.num_cached_tokens
+        chunk = seq.num_tokens - cached if chunks is None else chunks[index]
+        picked = [j for j, pos in enumerate(seq.image_positions) if cached <= pos < cached + chunk]
+        if picked and seq.image_embeds is not None:
+            rows += [start + seq.image_positions[j] - cached for j in picked]
+            parts.append(seq.image_embeds[picked])
+        start += chunk
+    if not rows:
+        return None
+    rows_gpu = torch.tensor(rows, dtype=torch.int64, device=device)
+    return ImageSplice(rows_gpu, torch.cat(parts).to(device))
+
+
+def prefill_inputs(model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any) -> Carry:
+    """The pipeline's input carry: ids, positions, image row mask and image rows [T, hidden]."""
+    num_tokens, weight = ids.shape[0], model.embed_tokens.weight
+    mask = torch.zeros(num_tokens, dtype=torch.bool, device=ids.device)
+    image_h = torch.zeros(num_tokens, weight.shape[1], dtype=weight.dtype, device=ids.device)
+    if splice is not None:
+        mask[splice.rows] = True
+        image_h.index_copy_(0, splice.rows, splice.embeds.to(weight.dtype))
+    return ids, positions, mask, image_h
+
+
+def eager_prefill(
+    model: DecoderModel,
+    kv: PagedKVStorage,
+    ids: Tensor,
+    positions: Tensor,
+    meta: AttentionMetadata,
+    splice: ImageSplice | None,
+) -> Tensor:
+    """Prefill hidden states ``[T, hidden]`` without graphs, image rows spliced in."""
+    if splice is None:
+        return model(ids, positions, meta, kv)
+    pieces = split_segments(prefill_stages(model))
+    carry = prefill_inputs(model, ids, positions, splice)
+    return run_eager(pieces, carry, PrefillContext(meta, kv))[0]

@@ -1,0 +1,184 @@
+"""The engine's graphs as one component, built from explicit inputs.
+
+`build_graphs` runs the capability check (deny by default: the first failing condition is
+reported from a closed set) and returns either an `EngineGraphs` or the reason graphs are off.
+`EngineGraphs` owns the decode runner, the segmented prefill runner and their shared metrics,
+and gives the model runner the two step functions it calls. Nothing here patches the engine:
+the engine hands these functions to its ModelRunner when it builds it, and calls
+invalidate() / close() / stats() at reload, shutdown and for /v1/graphs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+import torch
+
+from graphguard.core.base import kill_switch_on
+from graphguard.core.metrics import GraphMetrics
+from graphguard.engine.config import GraphConfig
+from graphguard.engine.decode_graphs import DecodeGraphs
+from graphguard.engine.forward import EagerForward
+from graphguard.engine.prefill_graphs import PrefillGraphs
+
+log = logging.getLogger("graphguard")
+MIN_COMPUTE_CAPABILITY = (7, 0)
+
+
+class GraphCapability(enum.StrEnum):
+    """Whether the engine's graphs may run, and if not, the first condition that failed."""
+
+    ENABLED = "enabled"
+    ENFORCE_EAGER = "enforce_eager"
+    KILL_SWITCH = "kill_switch"
+    NO_CUDA = "no_cuda"
+    UNSUPPORTED_ARCH = "unsupported_arch"
+    KV_IDENTITY_MISMATCH = "kv_identity_mismatch"
+    DEVICE_MISMATCH = "device_mismatch"
+
+
+def check_capability(
+    config: GraphConfig, forward: EagerForward, scheduler_kv: object, device: torch.device
+) -> GraphCapability:
+    """The capability proof: every condition, in order; the first that fails is returned."""
+    if config.enforce_eager:
+        return GraphCapability.ENFORCE_EAGER
+    if kill_switch_on():
+        return GraphCapability.KILL_SWITCH
+    if config.backend != "sim":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            return GraphCapability.NO_CUDA
+        if torch.cuda.get_device_capability(device) < MIN_COMPUTE_CAPABILITY:
+            return GraphCapability.UNSUPPORTED_ARCH
+    # The KV view the scheduler allocates from and the one attention writes must be one object.
+    if forward.kv is not scheduler_kv:
+        return GraphCapability.KV_IDENTITY_MISMATCH
+    kv = forward.kv
+    tensors = [*kv.k_cache, *kv.v_cache, *forward.model.parameters()]
+    if any(t.device != device for t in tensors):
+        return GraphCapability.DEVICE_MISMATCH
+    return GraphCapability.ENABLED
+
+
+class EngineGraphs:
+    """The decode graphs, the segmented prefill graphs (unless off) and their metrics."""
+
+    def __init__(
+        self,
+        config: GraphConfig,
+        forward: EagerForward,
+        device: torch.device,
+        model_identity: dict[str, Any],
+    ) -> None:
+        self.config = config
+        self.enabled_reason = GraphCapability.ENABLED.value
+        self.metrics = GraphMetrics()  # one registry for the decode and prefill graphs
+        self.registry = self.metrics.registry
+        self.decode = DecodeGraphs(
+            forward,
+            buckets=config.batch_buckets,
+            max_bytes=config.max_bytes,
+            backend=config.backend,
+            device=device,
+            metrics=self.metrics,
+            model_identity=model_identity,
+            admission=config.admission,
+            verify=config.verify,
+            reverify_every=config.reverify_every,
+        )
+        self.prefill: PrefillGraphs | None = None
+        if config.prefill:
+            self.prefill = PrefillGraphs(
+                forward,
+                max_bytes=config.max_bytes,
+                backend=config.backend,
+                device=device,
+                metrics=self.metrics,
+                admission=config.prefill_admission,
+                verify=config.verify,
+            )
+        self._eager_prefill = forward.prefill
+
+    @property
+    def decode_fn(self) -> DecodeGraphs:
+        return self.decode
+
+    @property
+    def prefill_fn(self) -> Any:
+        """The segmented prefill graphs, or the eager prefill when they are off."""
+        return self.prefill if self.prefill is not None else self._eager_prefill
+
+    def start(self, warmup_keys: tuple[list[int], list[int]]) -> None:
+        """What the config asks for before the first request: prewarm from a manifest, then
+        capture every decode (batch, width) key of `warmup_keys` within the budget."""
+        if self.config.manifest:
+            _prewarm_from(self.decode, self.config.manifest)
+        if self.config.warmup:
+            batch_sizes, widths = warmup_keys
+            report = self.decode.warmup(batch_sizes, widths)
+            log.info(
+                "graphguard decode warmup: %d of %d keys captured in %.1f s",
+                len(report.captured),
+                len(batch_sizes) * len(widths),
+                report.seconds,
+            )
+
+    def invalidate(self) -> None:
+        """Retire every graph (new weights): called before the weights change."""
+        self.decode.invalidate()
+        if self.prefill is not None:
+            self.prefill.invalidate()
+
+    def close(self) -> None:
+        self.decode.close()
+        if self.prefill is not None:
+            self.prefill.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The decode graphs' stats, with the prefill graphs' under "prefill" (or None)."""
+        stats = self.decode.stats()
+        stats["enabled"] = True
+        stats["reason"] = self.enabled_reason
+        stats["prefill"] = self.prefill.stats() if self.prefill is not None else None
+        return stats
+
+
+def build_graphs(
+    config: GraphConfig,
+    forward: EagerForward,
+    *,
+    scheduler_kv: object,
+    device: torch.device,
+    model_identity: dict[str, Any],
+    warmup_keys: tuple[list[int], list[int]],
+) -> EngineGraphs | GraphCapability:
+    """The engine's graphs, started, when the capability check passes; else why not."""
+    capability = check_capability(config, forward, scheduler_kv, device)
+    if capability is not GraphCapability.ENABLED:
+        log.info("graphguard decode graphs off: %s", capability.value)
+        if config.manifest:
+            log.info("graphguard manifest %s unused: graphs off", config.manifest)
+        return capability
+    graphs = EngineGraphs(config, forward, device, model_identity)
+    log.info(
+        "graphguard decode graphs on: backend=%s buckets=%s budget=%d bytes",
+        config.backend,
+        list(config.batch_buckets),
+        config.max_bytes,
+    )
+    if graphs.prefill is not None:
+        log.info("graphguard prefill graphs on: %d segments", graphs.prefill.runner.num_segments)
+    else:
+        log.info("graphguard prefill graphs off: prefill=False")
+    graphs.start(warmup_keys)
+    return graphs
+
+
+def _prewarm_from(decode: DecodeGraphs, manifest: str) -> None:
+    # NOTE: a start never fails for a manifest: refusals and errors leave graphs lazy.
+    try:
+        decode.prewarm(manifest)
+    except Exception:  # noqa: BLE001
+        log.exception("graphguard prewarm from %s failed; graphs will be captured lazily", manifest)
