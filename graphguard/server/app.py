@@ -16,8 +16,9 @@ from graphguard.engine.engine import LLMEngine
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import AsyncEngine
 from graphguard.server.config import ServerConfig
+from graphguard.server.context import ServingContext
 from graphguard.server.errors import install_error_handlers
-from graphguard.server.handlers import ServingContext, create_chat_completion, create_completion
+from graphguard.server.handlers import create_chat_completion, create_completion
 from graphguard.server.metrics import ServerMetrics
 
 ENDPOINTS = frozenset(
@@ -91,29 +92,15 @@ async def chat_completions(
 @router.get("/metrics")
 async def get_metrics(ctx: Serving) -> Response:
     ctx.metrics.observe_engine(ctx.engine.stats())
-    graphs = ctx.engine.engine.graphs
     # The graph registry's collectors take the graph cache's lock: keep that off the loop.
-    body = await asyncio.to_thread(ctx.metrics.render, graphs)
+    body = await asyncio.to_thread(ctx.metrics.render, ctx.engine.graph_registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/graphs")
 async def get_graphs(ctx: Serving) -> JSONResponse:
-    runtime = ctx.engine.engine.graphs
-    if runtime is None:
-        return JSONResponse({"enabled": False, "reason": graphs_off_reason(ctx.engine.engine)})
-    stats = await asyncio.to_thread(runtime.stats)
-    # The segmented prefill graphs, when the engine runs them: their own budget and groups.
-    prefill = ctx.engine.engine.prefill_graphs
-    stats["prefill"] = await asyncio.to_thread(prefill.stats) if prefill is not None else None
-    return JSONResponse(_jsonable(stats))
-
-
-def graphs_off_reason(engine: LLMEngine) -> str:
-    """Why the engine decodes eagerly, for /v1/graphs and the startup log."""
-    # NOTE: the engine sets one of graphs and graphs_disabled_reason when it starts; neither
-    # is left once it has shut down.
-    return engine.graphs_disabled_reason or "the engine is shut down"
+    # The decode graphs' stats with the prefill graphs' under "prefill", or why graphs are off.
+    return JSONResponse(_jsonable(await ctx.engine.graphs_report()))
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,9 +1,12 @@
 """Runs LLMEngine.step() on a thread of its own and delivers outputs to asyncio consumers.
 
-The engine is not thread-safe, so only the engine thread ever touches it: the event loop sends
-commands (add, abort) through a queue and the thread applies them between steps. Each request's
-outputs go to its own asyncio queue through `loop.call_soon_threadsafe`, so the event loop never
-waits on the model.
+The engine is not thread-safe, so only the engine thread ever touches its requests, scheduler
+and KV pool: the event loop sends commands (add, abort) through a queue and the thread applies
+them between steps. Each request's outputs go to its own asyncio queue through
+`loop.call_soon_threadsafe`, so the event loop never waits on the model. The few reads the server
+needs besides (the vision encoder's settings, the graphs' report and registry) are ones the
+engine documents as safe from any thread; they are the wrapper's methods, so the server never
+holds the engine itself.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry
 from torch import Tensor
 
 from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.vision import VisionEncoder
 
 logger = logging.getLogger("graphguard.server")
 
@@ -78,7 +83,8 @@ class AsyncEngine:
     """Owns the engine thread; the asyncio-facing side of one LLMEngine."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self._engine = engine
+        self._vision = engine.vision  # set once when the engine is built; never replaced
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -90,7 +96,7 @@ class AsyncEngine:
     # ---- event-loop side ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._stats = dict(self.engine.stats())
+        self._stats = dict(self._engine.stats())
         self._thread.start()
 
     async def generate(
@@ -130,6 +136,27 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._is_closing
 
+    # NOTE: the three reads below skip the engine thread: none touches requests, the scheduler
+    # or the KV pool, so none needs to wait for a step to end.
+
+    @property
+    def vision(self) -> VisionEncoder | None:
+        """The vision encoder (None: the model takes no images), for its settings and token
+        ids only: the engine thread encodes a request's images when it admits the request."""
+        return self._vision
+
+    @property
+    def graph_registry(self) -> CollectorRegistry | None:
+        """The graphs' Prometheus registry, None while graphs are off or after shutdown.
+        Collecting it takes the graph cache's lock: render it off the event loop."""
+        return self._engine.graph_registry  # an attribute read, safe from any thread
+
+    async def graphs_report(self) -> dict[str, Any]:
+        """The /v1/graphs body (`LLMEngine.graphs_report`). It takes the graph runners' locks,
+        not the engine's, so it runs on a worker thread: off the loop, and not queued behind
+        a step on the engine thread."""
+        return await asyncio.to_thread(self._engine.graphs_report)
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort everything, stop the thread, then release the engine's graphs and KV."""
         self.abort_all()
@@ -137,7 +164,9 @@ class AsyncEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        self.engine.shutdown()
+        # NOTE: on the caller's thread, once the engine thread is gone; should the join time
+        # out, the engine's lifecycle lock still keeps shutdown and a step apart.
+        self._engine.shutdown()
 
     def _send(self, command: _Add | _Abort) -> None:
         self._inbox.put(command)
@@ -174,7 +203,7 @@ class AsyncEngine:
             self._drain_inbox()
             if self._is_stopping:
                 return
-            if self.engine.has_unfinished_requests():
+            if self._engine.has_unfinished_requests():
                 self._step()
             else:
                 self._wakeup.wait()
@@ -189,7 +218,7 @@ class AsyncEngine:
                 self._add(command)
             else:
                 self._abort(command.request_id)
-        self._stats = dict(self.engine.stats())
+        self._stats = dict(self._engine.stats())
 
     def _add(self, command: _Add) -> None:
         if not command.accepted.set_running_or_notify_cancel():
@@ -198,7 +227,7 @@ class AsyncEngine:
         try:
             # Images only when present, so engines without image input keep working.
             extra = {"images": command.images} if command.images else {}
-            self.engine.add_request(
+            self._engine.add_request(
                 stream.request_id, command.prompt_token_ids, command.params, **extra
             )
         except Exception as exc:  # noqa: BLE001 - handed back to the caller, not swallowed
@@ -213,12 +242,12 @@ class AsyncEngine:
             stream = self._streams.pop(rid, None)
             if stream is None:
                 continue  # finished already, or never admitted
-            self.engine.abort_request(rid)
+            self._engine.abort_request(rid)
             stream.put_threadsafe(_aborted_output(stream))
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing its %d requests", len(self._streams))
             self._fail_all(exc)
@@ -231,12 +260,12 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             stream.last = output
             stream.put_threadsafe(output)
-        self._stats = dict(self.engine.stats())
+        self._stats = dict(self._engine.stats())
 
     def _fail_all(self, exc: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             try:
-                self.engine.abort_request(rid)
+                self._engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - the engine is already failing; keep going
                 logger.exception("abort of %s failed after a step error", rid)
             stream.put_threadsafe(exc)

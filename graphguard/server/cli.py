@@ -1,7 +1,7 @@
 """`graphguard serve`: load the engine, log what it runs, and serve it with uvicorn.
 
-Flag defaults come from the fields of `ServerConfig` and `EngineConfig`, so there is one place
-to change a default.
+Its flags are the settings of `ServerConfig`, `EngineConfig` and `GraphConfig`
+(graphguard/server/flags.py), with their defaults, so there is one place to change a default.
 """
 
 from __future__ import annotations
@@ -13,242 +13,38 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from graphguard.engine.config import EngineConfig
-from graphguard.server.config import LOG_LEVELS, ServerConfig
+from graphguard.server.config import ServerConfig
+from graphguard.server.flags import add_flags, configs_from_args
+
+if TYPE_CHECKING:
+    from graphguard.engine.engine import LLMEngine
 
 logger = logging.getLogger("graphguard.server")
 
-_SERVER = ServerConfig()
-_ENGINE = _SERVER.engine
-_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """`"1073741824"`, `"512MiB"`, `"1G"` or `"1gb"` -> bytes (binary units)."""
-    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
-    scale = _SIZE_SUFFIXES.get(cleaned[-1:], 1)
-    number = cleaned[:-1] if scale != 1 else cleaned
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"byte size must be >= 0: {text!r}")
-    return value
-
-
-def parse_buckets(text: str) -> tuple[int, ...]:
-    """`"1,2,4,8"` -> (1, 2, 4, 8): strictly increasing positive batch sizes."""
-    try:
-        buckets = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
-    if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
-        raise argparse.ArgumentTypeError(f"need increasing positive integers: {text!r}")
-    return buckets
-
-
-def format_bytes(num_bytes: int) -> str:
-    """1073741824 -> "1GiB"; sizes that are not whole binary units stay in bytes."""
-    for suffix, scale in reversed(_SIZE_SUFFIXES.items()):
-        if num_bytes >= scale and num_bytes % scale == 0:
-            return f"{num_bytes // scale}{suffix.upper()}iB"
-    return str(num_bytes)
-
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `graphguard serve` argument parser; defaults are read from the config dataclasses."""
+    """The `graphguard serve` argument parser: a flag per config setting (server/flags.py)."""
     parser = argparse.ArgumentParser(
         prog="graphguard serve",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
         "/v1/completions, /v1/models, plus /health, /metrics (Prometheus) and /v1/graphs.",
     )
-    _add_model_flags(parser.add_argument_group("model"))
-    _add_engine_flags(parser.add_argument_group("engine"))
-    _add_server_flags(parser.add_argument_group("server"))
+    add_flags(parser)
     return parser
-
-
-def _add_model_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--model",
-        default=_ENGINE.model,
-        metavar="PATH",
-        help="Hugging Face model folder or .gguf file "
-        "(default: the embedded SmolLM2-135M-Instruct)",
-    )
-    group.add_argument(
-        "--device",
-        default=_ENGINE.device,
-        help=f"auto, cpu, cuda or cuda:N; auto picks CUDA when present (default: {_ENGINE.device})",
-    )
-    group.add_argument(
-        "--dtype",
-        default=_ENGINE.dtype,
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help=f"auto is bfloat16 on CUDA and float32 on CPU (default: {_ENGINE.dtype})",
-    )
-    group.add_argument(
-        "--max-model-len",
-        type=int,
-        default=_ENGINE.max_model_len,
-        metavar="N",
-        help=f"longest prompt plus completion in tokens (default: {_ENGINE.max_model_len})",
-    )
-
-
-def _add_engine_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="tokens one step may run, decodes and prefills together; a longer prompt is "
-        "prefilled in chunks over several steps, so this bounds the time of a step "
-        f"(default: the larger of {_ENGINE.max_num_batched_tokens} and --max-num-seqs)",
-    )
-    group.add_argument(
-        "--block-size",
-        type=int,
-        default=_ENGINE.block_size,
-        metavar="N",
-        help=f"tokens per KV cache block (default: {_ENGINE.block_size})",
-    )
-    group.add_argument(
-        "--seed",
-        type=int,
-        default=_ENGINE.seed,
-        help=f"seed of requests that bring none (default: {_ENGINE.seed})",
-    )
-    group.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=_ENGINE.max_num_seqs,
-        metavar="N",
-        help=f"most requests decoded together (default: {_ENGINE.max_num_seqs})",
-    )
-    group.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=_ENGINE.num_kv_blocks,
-        metavar="N",
-        help="KV cache blocks of --block-size tokens; 0 sizes the pool for "
-        "max-num-seqs full-length requests, capped at half the free GPU memory or 1 GiB on "
-        "CPU (default: 0)",
-    )
-    group.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=_ENGINE.enforce_eager,
-        help="run decode and prefill eagerly, never through CUDA graphs",
-    )
-    group.add_argument(
-        "--max-graph-bytes",
-        type=parse_bytes,
-        default=_ENGINE.max_graph_bytes,
-        metavar="SIZE",
-        help="byte budget of the decode graphs, and separately of the segmented prefill "
-        f"graphs, e.g. 512MiB or 2GiB (default: {format_bytes(_ENGINE.max_graph_bytes)} each)",
-    )
-    group.add_argument(
-        "--graph-manifest",
-        default=_ENGINE.graph_manifest,
-        metavar="PATH",
-        help="prewarm the decode graphs listed in this manifest (written by export()) at start; "
-        "a manifest from another torch, device or model is refused and graphs start lazily",
-    )
-    group.add_argument(
-        "--warmup-graphs",
-        action="store_true",
-        default=_ENGINE.warmup_graphs,
-        help="capture every decode graph the server can use (batch buckets up to "
-        "--max-num-seqs, block-table widths up to --max-model-len) before serving, largest "
-        "first within --max-graph-bytes; without it graphs are captured as traffic earns them",
-    )
-    group.add_argument(
-        "--no-prefill-graphs",
-        dest="prefill_graphs",
-        action="store_false",
-        default=_ENGINE.prefill_graphs,
-        help="prefill eagerly while decode uses graphs: no segmented prefill captures inside "
-        "engine steps (each one delays the requests of that step)",
-    )
-    buckets = ",".join(str(b) for b in _ENGINE.batch_buckets)
-    group.add_argument(
-        "--batch-buckets",
-        type=parse_buckets,
-        default=_ENGINE.batch_buckets,
-        metavar="LIST",
-        help="decode batch sizes that get a graph, comma separated; other sizes pad up, and "
-        "batches above the largest run eagerly (unbucketed_shape), so keep the largest >= "
-        f"--max-num-seqs (default: {buckets})",
-    )
-
-
-def _add_server_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--host", default=_SERVER.host, help=f"address to listen on (default: {_SERVER.host})"
-    )
-    group.add_argument(
-        "--port",
-        type=int,
-        default=_SERVER.port,
-        help=f"port to listen on (default: {_SERVER.port})",
-    )
-    group.add_argument(
-        "--served-model-name",
-        default=_SERVER.served_model_name,
-        metavar="NAME",
-        help="model id clients send (default: the model's name)",
-    )
-    group.add_argument(
-        "--log-level",
-        default=_SERVER.log_level,
-        choices=LOG_LEVELS,
-        help=f"(default: {_SERVER.log_level})",
-    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The frozen ServerConfig (with its EngineConfig) that `args` describe."""
-    engine = replace(
-        EngineConfig(),
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        enforce_eager=args.enforce_eager,
-        max_graph_bytes=args.max_graph_bytes,
-        batch_buckets=tuple(args.batch_buckets),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens
-        or max(_ENGINE.max_num_batched_tokens, args.max_num_seqs),
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        seed=args.seed,
-        graph_manifest=args.graph_manifest,
-        warmup_graphs=args.warmup_graphs,
-        prefill_graphs=args.prefill_graphs,
-    )
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        engine=engine,
-    )
+    return configs_from_args(args)
 
 
-def describe_engine(engine: Any, config: ServerConfig) -> list[str]:
+def describe_engine(engine: LLMEngine, config: ServerConfig) -> list[str]:
     """Startup lines: model, device, dtype, KV blocks, and whether decode graphs are on."""
-    from graphguard.server.app import graphs_off_reason
-
     stats = engine.stats()
     source = config.engine.model or "embedded"
     device, max_model_len = engine.device, engine.max_model_len
@@ -259,7 +55,7 @@ def describe_engine(engine: Any, config: ServerConfig) -> list[str]:
     )
     graphs = engine.graphs
     if graphs is None:
-        graph_line = f"decode graphs: off ({graphs_off_reason(engine)})"
+        graph_line = f"decode graphs: off ({engine.graphs_off_reason})"
     else:
         graph_line = f"decode graphs: on ({graphs.enabled_reason})"
     return [

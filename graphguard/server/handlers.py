@@ -1,18 +1,17 @@
 """The generation endpoints: an OpenAI request in, engine outputs out as JSON or SSE events.
 
 Completions and chat differ only in how the prompt is tokenized and how outputs are shaped
-(`CompletionFormat` / `ChatFormat`); admission, streaming, disconnects and metrics are shared.
+(`CompletionFormat` / `ChatFormat`, in graphguard.server.formatting); admission, streaming,
+disconnects and metrics are shared.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,251 +20,18 @@ from torch import Tensor
 
 from graphguard.engine.engine import RequestOutput
 from graphguard.engine.sampling import SamplingParams, TokenLogprob
-from graphguard.engine.tokenizer import Tokenizer
 from graphguard.server import protocol as p
-from graphguard.server.async_engine import AsyncEngine, EngineClosedError, RequestStream
+from graphguard.server.async_engine import EngineClosedError, RequestStream
+from graphguard.server.context import ServingContext
 from graphguard.server.errors import APIError, error_body
+from graphguard.server.formatting import ChatFormat, CompletionFormat, OutputFormat
 from graphguard.server.images import chat_prompt
-from graphguard.server.metrics import RequestTrace, ServerMetrics
+from graphguard.server.metrics import RequestTrace
 
 logger = logging.getLogger("graphguard.server")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 DONE_EVENT = "data: [DONE]\n\n"
-
-
-@dataclass(frozen=True)
-class ServingContext:
-    """What the endpoints need from the server: one per app."""
-
-    engine: AsyncEngine
-    metrics: ServerMetrics
-    tokenizer: Tokenizer
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_pool_tokens: int  # tokens the whole KV pool holds; one request can never exceed it
-
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            message = f"The model '{model}' does not exist; this server serves '{self.model_name}'."
-            raise APIError(404, message, param="model", code="model_not_found")
-
-
-# A token of a completions logprobs list: id, logprob and alternatives (None for the first
-# token of an echoed prompt, which has no context), and whether it is a prompt token.
-_Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None, bool]
-
-
-class CompletionFormat:
-    """Shapes outputs as /v1/completions objects; with `echo_text`, the prompt comes first
-    (in the first streamed chunk) and, with logprobs, its tokens' entries too."""
-
-    def __init__(
-        self,
-        model: str,
-        tokenizer: Tokenizer,
-        with_logprobs: bool = False,
-        echo_text: str | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> None:
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.model = model
-        self.tokenizer = tokenizer
-        self.with_logprobs = with_logprobs
-        self._echo_text = echo_text
-        self._prompt_ids = prompt_ids or []
-        self._texts = TokenTexts(tokenizer, echo_text or "")  # offsets run across chunks
-
-    def opening(self) -> list[BaseModel]:
-        return []
-
-    def chunk(
-        self,
-        delta: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> BaseModel:
-        echo, entries = self._take_echo(prompt_logprobs)
-        choice = p.CompletionChoice(
-            text=echo + delta,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(entries + _entries(logprobs)),
-        )
-        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
-
-    def usage_chunk(self, usage: p.Usage) -> BaseModel:
-        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
-
-    def response(
-        self,
-        output: RequestOutput,
-        usage: p.Usage,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> BaseModel:
-        echo, entries = self._take_echo(prompt_logprobs)
-        choice = p.CompletionChoice(
-            text=echo + output.text,
-            finish_reason=output.finish_reason,
-            logprobs=self._logprobs(entries + _entries(logprobs)),
-        )
-        return p.CompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage
-        )
-
-    def _take_echo(
-        self, prompt_logprobs: list[TokenLogprob | None] | None
-    ) -> tuple[str, list[_Entry]]:
-        """The echoed prompt and its entries, once (the first chunk); then nothing."""
-        if self._echo_text is None:
-            return "", []
-        text, self._echo_text = self._echo_text, None
-        lps = prompt_logprobs or [None] * len(self._prompt_ids)
-        entries: list[_Entry] = [
-            (i, None, None, True) if lp is None else (i, lp.logprob, lp.top, True)
-            for i, lp in zip(self._prompt_ids, lps, strict=True)
-        ]
-        return text, entries
-
-    def _logprobs(self, entries: list[_Entry]) -> p.CompletionLogprobs | None:
-        if not self.with_logprobs:
-            return None
-        logprobs = p.CompletionLogprobs(
-            tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
-        )
-        # NOTE: every token has an entry, control tokens too (named by their text): scoring
-        # tools index these lists by token position.
-        for token_id, logprob, top, is_prompt in entries:
-            token, offset = self._texts.add(token_id, is_prompt)
-            logprobs.tokens.append(token)
-            logprobs.token_logprobs.append(logprob)
-            logprobs.text_offset.append(offset)
-            if top is None or logprob is None:
-                logprobs.top_logprobs.append(None)
-            else:  # the alternatives and, as OpenAI's legacy API does, the chosen token
-                alternatives = {self._texts.name(i): value for i, value in top}
-                alternatives.setdefault(token, logprob)
-                logprobs.top_logprobs.append(alternatives)
-        return logprobs
-
-
-def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
-    return [(lp.token_id, lp.logprob, lp.top, False) for lp in logprobs]
-
-
-class ChatFormat:
-    """Shapes outputs as /v1/chat/completions objects."""
-
-    def __init__(self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False) -> None:
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.model = model
-        self.tokenizer = tokenizer
-        self.with_logprobs = with_logprobs
-
-    def opening(self) -> list[BaseModel]:
-        return [self._chunk(p.ChatDelta(role="assistant", content=""), None, [])]
-
-    def chunk(
-        self,
-        delta: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
-    ) -> BaseModel:
-        return self._chunk(p.ChatDelta(content=delta or None), finish_reason, logprobs)
-
-    def usage_chunk(self, usage: p.Usage) -> BaseModel:
-        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
-
-    def response(
-        self,
-        output: RequestOutput,
-        usage: p.Usage,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
-    ) -> BaseModel:
-        message = p.AssistantMessage(content=output.text)
-        choice = p.ChatChoice(
-            message=message, finish_reason=output.finish_reason, logprobs=self._logprobs(logprobs)
-        )
-        return p.ChatCompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage
-        )
-
-    def _chunk(
-        self, delta: p.ChatDelta, finish_reason: str | None, logprobs: list[TokenLogprob]
-    ) -> p.ChatCompletionChunk:
-        choice = p.ChatChunkChoice(
-            delta=delta,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(logprobs) if logprobs else None,
-        )
-        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
-
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> p.ChatLogprobs | None:
-        if not self.with_logprobs:
-            return None
-        return p.ChatLogprobs(
-            content=[
-                p.ChatTokenLogprob(
-                    **self._top_logprob(lp.token_id, lp.logprob).model_dump(),
-                    top_logprobs=[self._top_logprob(i, v) for i, v in lp.top],
-                )
-                for lp in logprobs
-                if not self.tokenizer.is_special(lp.token_id)  # not part of the content
-            ]
-        )
-
-    def _top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
-        raw = self.tokenizer.token_bytes(token_id)
-        return p.TopLogprob(token=token_name(raw), logprob=logprob, bytes=list(raw))
-
-
-def token_name(raw: bytes) -> str:
-    """A token's text; a token that holds only part of a character is written as its bytes,
-    `bytes:\\xe6\\x97`, as OpenAI writes them."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-
-
-class TokenTexts:
-    """Names and text offsets of a response's tokens, in order: an echoed prompt's (`echo` is
-    its returned text), then the completion's. An offset counts the characters of the text
-    before the token; bytes of a character split across tokens count with the token that
-    completes it. Control tokens of the completion are not in its text (offset unchanged);
-    a prompt's are where the echoed text spells them (a prompt string may, an added start
-    token is not)."""
-
-    def __init__(self, tokenizer: Tokenizer, echo: str = "") -> None:
-        self.tokenizer = tokenizer
-        self._echo = echo
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._offset = 0
-
-    def add(self, token_id: int, is_prompt: bool = False) -> tuple[str, int]:
-        """The next token's name and offset."""
-        raw = self.tokenizer.token_bytes(token_id)
-        offset = self._offset
-        if self.tokenizer.is_special(token_id):
-            name = raw.decode("utf-8")
-            if is_prompt and self._echo.startswith(name, offset):
-                self._offset += len(name)
-            return name, offset
-        chars = self._decoder.decode(raw)
-        if is_prompt and chars[:1] == " " and self._echo[offset : offset + 1] != " ":
-            chars = chars[1:]  # a decoder that strips the text's leading space (SentencePiece)
-        self._offset += len(chars)
-        return token_name(raw), offset
-
-    def name(self, token_id: int) -> str:
-        return token_name(self.tokenizer.token_bytes(token_id))
-
-
-OutputFormat = CompletionFormat | ChatFormat
 
 
 async def create_completion(
@@ -285,18 +51,19 @@ async def create_completion(
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=body.logprobs)
-    echo_text = None
-    if body.echo:
-        prompt = body.prompt
-        echo_text = (
-            prompt
-            if isinstance(prompt, str)
-            else ctx.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        )
+    echo_text = _echo_text(ctx, body.prompt, prompt_ids) if body.echo else None
     fmt = CompletionFormat(
         ctx.model_name, ctx.tokenizer, params.logprobs is not None, echo_text, prompt_ids
     )
     return await _generate(ctx, http_request, body, fmt, prompt_ids, params, trace)
+
+
+def _echo_text(ctx: ServingContext, prompt: str | list[str] | list[int], ids: list[int]) -> str:
+    """The prompt as an echo returns it: the text sent, or the decoded ids (control tokens
+    spelled out)."""
+    if isinstance(prompt, str):
+        return prompt
+    return ctx.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 async def create_chat_completion(
@@ -331,17 +98,7 @@ def sampling_params(
     prompt_param: str,
 ) -> SamplingParams:
     """Engine sampling parameters for `body`, refusing requests that cannot fit the context."""
-    room = ctx.max_model_len - num_prompt_tokens
-    limit = f"This model's maximum context length is {ctx.max_model_len} tokens"
-    if room <= 0:
-        message = f"{limit}, but the prompt has {num_prompt_tokens} tokens."
-        raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
-    if max_tokens is not None and max_tokens > room:
-        message = (
-            f"{limit}; the prompt has {num_prompt_tokens} tokens, so at most {room} "
-            f"completion tokens fit, but {max_tokens} were requested."
-        )
-        raise APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    room = _context_room(ctx, num_prompt_tokens, max_tokens, prompt_param)
     if max_tokens is None:
         # Unbounded requests get the room that both the context and the KV pool leave.
         max_tokens = max(1, min(room, ctx.max_pool_tokens - num_prompt_tokens))
@@ -361,6 +118,25 @@ def sampling_params(
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
     return params
+
+
+def _context_room(
+    ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str
+) -> int:
+    """Completion tokens the context leaves after the prompt; a 400 when the prompt, or the
+    prompt and `max_tokens`, do not fit."""
+    room = ctx.max_model_len - num_prompt_tokens
+    limit = f"This model's maximum context length is {ctx.max_model_len} tokens"
+    if room <= 0:
+        message = f"{limit}, but the prompt has {num_prompt_tokens} tokens."
+        raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        message = (
+            f"{limit}; the prompt has {num_prompt_tokens} tokens, so at most {room} "
+            f"completion tokens fit, but {max_tokens} were requested."
+        )
+        raise APIError(400, message, param="max_tokens", code="context_length_exceeded")
+    return room
 
 
 async def _generate(

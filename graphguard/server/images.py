@@ -9,17 +9,14 @@ anything else, or data that is not an image or is too large, is a 400 naming the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from graphguard.engine.images import ImageError, expand_image_tokens, load_image
+from graphguard.engine.vision import VisionEncoder
 from graphguard.server import protocol as p
+from graphguard.server.context import ServingContext
 from graphguard.server.errors import APIError
-
-if TYPE_CHECKING:
-    from graphguard.engine.vision import VisionEncoder
-    from graphguard.server.handlers import ServingContext
 
 
 async def chat_prompt(
@@ -27,19 +24,15 @@ async def chat_prompt(
 ) -> tuple[list[int], list[Tensor]]:
     """Prompt token ids of the conversation and the pixel tensors of its images, in order."""
     urls = [url for message in body.messages for url in message.image_urls]
-    vision: VisionEncoder | None = ctx.engine.engine.vision
-    if urls and vision is None:
-        raise APIError(
-            400, "This model does not accept images.", param="messages", code="invalid_image"
-        )
-    image_text = vision.config.image_token if vision is not None else ""
+    vision = ctx.engine.vision
+    if vision is None:
+        if urls:
+            message = "This model does not accept images."
+            raise APIError(400, message, param="messages", code="invalid_image")
+        return await _template_ids(ctx, body, image_text=""), []
     pixels = await asyncio.to_thread(_load_images, urls, vision) if urls else []
-    messages = [m.as_template_dict(image_text) for m in body.messages]
-    try:
-        prompt_ids = await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
-    except Exception as exc:  # the template rejects some conversations (e.g. role order)
-        raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
-    if vision is not None and urls:
+    prompt_ids = await _template_ids(ctx, body, image_text=vision.config.image_token)
+    if urls:
         try:
             prompt_ids = expand_image_tokens(
                 prompt_ids, vision.image_token_id, vision.num_tokens_per_image, len(urls)
@@ -49,7 +42,18 @@ async def chat_prompt(
     return prompt_ids, pixels
 
 
-def _load_images(urls: list[str], vision: Any) -> list[Tensor]:
+async def _template_ids(
+    ctx: ServingContext, body: p.ChatCompletionRequest, image_text: str
+) -> list[int]:
+    """The conversation rendered by the chat template, each image part as `image_text`."""
+    messages = [m.as_template_dict(image_text) for m in body.messages]
+    try:
+        return await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
+    except Exception as exc:  # the template rejects some conversations (e.g. role order)
+        raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
+
+
+def _load_images(urls: list[str], vision: VisionEncoder) -> list[Tensor]:
     config = vision.config
     if len(urls) > config.limits.max_images:
         message = f"At most {config.limits.max_images} images per request are accepted."

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,10 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class HasRegistry(Protocol):
-    registry: CollectorRegistry
 
 
 @dataclass
@@ -118,9 +114,9 @@ class ServerMetrics:
         self.kv_blocks_used.set(stats.get("kv_blocks_used", 0))
         self.kv_blocks_capacity.set(stats.get("kv_blocks_total", 0))
 
-    def render(self, graphs: HasRegistry | None) -> bytes:
+    def render(self, graph_registry: CollectorRegistry | None) -> bytes:
         """Prometheus text: the server's metrics, then the graph runtime's when it is on."""
         body = generate_latest(self.registry)
-        if graphs is not None:
-            body += generate_latest(graphs.registry)
+        if graph_registry is not None:
+            body += generate_latest(graph_registry)
         return body

@@ -16,19 +16,24 @@ import pytest
 
 from graphguard.server.cli import build_parser, config_from_args, main
 from graphguard.server.config import ServerConfig
+from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
 
 from .helpers import MODEL, free_port, wait_for
 
-FLAGS = (
-    "--model", "--device", "--dtype", "--enforce-eager", "--max-graph-bytes", "--batch-buckets",
-    "--max-num-seqs", "--num-kv-blocks", "--max-model-len", "--host", "--port",
-    "--served-model-name", "--log-level",
-)  # fmt: skip
+
+def test_every_config_setting_is_a_flag_or_says_why_not() -> None:
+    # EngineConfig, GraphConfig (by its flat names) and ServerConfig, read from the dataclasses
+    names = setting_names()
+    assert {"max_model_len", "max_graph_bytes", "prefill_graphs", "host"} <= set(names)
+    assert all(name in FLAGS or NOT_FLAGS.get(name) for name in names)
+    assert not set(FLAGS) - set(names)  # and no flag names a setting that does not exist
 
 
 def test_help_lists_every_flag() -> None:
     text = build_parser().format_help()
-    assert all(flag in text for flag in FLAGS)
+    for name in FLAGS:
+        spelled = name.replace("_", "-")
+        assert f"--{spelled}" in text or f"--no-{spelled}" in text, name
 
 
 def test_no_flags_give_the_default_server_config() -> None:
@@ -37,16 +42,18 @@ def test_no_flags_give_the_default_server_config() -> None:
 
 def test_flags_reach_the_engine_config() -> None:
     args = ["--batch-buckets", "1,2,8", "--max-graph-bytes", "512MiB", "--enforce-eager"]
-    engine = config_from_args(build_parser().parse_args(args)).engine
-    assert engine.batch_buckets == (1, 2, 8)
-    assert engine.max_graph_bytes == 512 << 20
-    assert engine.enforce_eager is True
-    assert engine.warmup_graphs is False
-    warm = config_from_args(build_parser().parse_args(["--warmup-graphs"])).engine
-    assert warm.warmup_graphs is True
-    assert engine.prefill_graphs is True
-    no_prefill = config_from_args(build_parser().parse_args(["--no-prefill-graphs"])).engine
-    assert no_prefill.prefill_graphs is False
+    graphs = config_from_args(build_parser().parse_args(args)).engine.graphs
+    assert graphs.batch_buckets == (1, 2, 8)
+    assert graphs.max_bytes == 512 << 20
+    assert graphs.enforce_eager is True
+    assert graphs.warmup is False
+    warm = config_from_args(build_parser().parse_args(["--warmup-graphs"])).engine.graphs
+    assert warm.warmup is True
+    assert graphs.prefill is True
+    no_prefill = config_from_args(build_parser().parse_args(["--no-prefill-graphs"]))
+    assert no_prefill.engine.graphs.prefill is False
+    sim = config_from_args(build_parser().parse_args(["--graph-backend", "sim"]))
+    assert sim.engine.graphs.backend == "sim"
 
 
 def test_unsorted_batch_buckets_are_refused() -> None:

@@ -15,7 +15,9 @@ from graphguard.engine.loader import LoadedModel
 from .conftest import TEST_ENGINE, serve
 from .helpers import RunningServer
 
-GRAPH_ENGINE = replace(TEST_ENGINE, max_num_seqs=4, graph_backend="sim")
+GRAPH_ENGINE = replace(
+    TEST_ENGINE, max_num_seqs=4, graphs=replace(TEST_ENGINE.graphs, backend="sim")
+)
 
 
 @pytest.fixture(scope="module")

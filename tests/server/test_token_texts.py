@@ -1,8 +1,8 @@
-"""Token names and text offsets of logprobs (graphguard.server.handlers.TokenTexts)."""
+"""Token names and text offsets of logprobs (graphguard.server.formatting.TokenTexts)."""
 
 from __future__ import annotations
 
-from graphguard.server.handlers import TokenTexts, token_name
+from graphguard.server.formatting import TokenTexts, token_name
 
 
 class PieceTokenizer:

@@ -1,0 +1,32 @@
+"""`ServingContext`: what the endpoints need from the server, built once per app.
+
+A module of its own so that the endpoint modules (handlers, images) can all depend on it
+without depending on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphguard.engine.tokenizer import Tokenizer
+from graphguard.server.async_engine import AsyncEngine
+from graphguard.server.errors import APIError
+from graphguard.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What the endpoints need from the server: one per app."""
+
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_pool_tokens: int  # tokens the whole KV pool holds; one request can never exceed it
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            message = f"The model '{model}' does not exist; this server serves '{self.model_name}'."
+            raise APIError(404, message, param="model", code="model_not_found")

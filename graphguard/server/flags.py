@@ -1,0 +1,228 @@
+"""The flags of `graphguard serve`, one per setting of the config dataclasses.
+
+Every field of `EngineConfig`, of its `GraphConfig` (by the flat names of `GRAPH_SETTINGS`) and
+of `ServerConfig` is either a flag here or listed in `NOT_FLAGS` with the reason; the parser
+and `configs_from_args` are built from that, and a test checks it covers every field. Defaults
+are read from the dataclasses, so there is one place to change one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from graphguard.engine.config import GRAPH_SETTINGS, EngineConfig, GraphConfig, engine_config
+from graphguard.server.config import LOG_LEVELS, ServerConfig
+
+_SERVER = ServerConfig()
+_ENGINE = _SERVER.engine
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """`"1073741824"`, `"512MiB"`, `"1G"` or `"1gb"` -> bytes (binary units)."""
+    cleaned = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _SIZE_SUFFIXES.get(cleaned[-1:], 1)
+    number = cleaned[:-1] if scale != 1 else cleaned
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"byte size must be >= 0: {text!r}")
+    return value
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """`"1,2,4,8"` -> (1, 2, 4, 8): strictly increasing positive batch sizes."""
+    try:
+        buckets = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
+        raise argparse.ArgumentTypeError(f"need increasing positive integers: {text!r}")
+    return buckets
+
+
+def format_bytes(num_bytes: int) -> str:
+    """1073741824 -> "1GiB"; sizes that are not whole binary units stay in bytes."""
+    for suffix, scale in reversed(_SIZE_SUFFIXES.items()):
+        if num_bytes >= scale and num_bytes % scale == 0:
+            return f"{num_bytes // scale}{suffix.upper()}iB"
+    return str(num_bytes)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag; `help` may name `{default}` (the field's, shown by `show`)."""
+
+    group: str  # "model" | "engine" | "server"
+    help: str
+    type: Callable[[str], Any] | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # a flag without a value that turns the setting on (or off: no_)
+    no_: bool = False  # spelled --no-<name>, turning a default-on setting off
+    show: Callable[[Any], str] = str
+
+
+# setting name -> its flag; the name's underscores become dashes (--max-model-len)
+FLAGS: dict[str, Flag] = {
+    "model": Flag(
+        "model",
+        "Hugging Face model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        metavar="PATH",
+    ),
+    "device": Flag(
+        "model", "auto, cpu, cuda or cuda:N; auto picks CUDA when present (default: {default})"
+    ),
+    "dtype": Flag(
+        "model",
+        "auto is bfloat16 on CUDA and float32 on CPU (default: {default})",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    "max_model_len": Flag(
+        "model",
+        "longest prompt plus completion in tokens (default: {default})",
+        type=int,
+        metavar="N",
+    ),
+    "max_num_batched_tokens": Flag(
+        "engine",
+        "tokens one step may run, decodes and prefills together; a longer prompt is "
+        "prefilled in chunks over several steps, so this bounds the time of a step (default: "
+        "the larger of {default} and --max-num-seqs)",
+        type=int,
+        metavar="N",
+    ),
+    "block_size": Flag(
+        "engine", "tokens per KV cache block (default: {default})", type=int, metavar="N"
+    ),
+    "seed": Flag("engine", "seed of requests that bring none (default: {default})", type=int),
+    "max_num_seqs": Flag(
+        "engine", "most requests decoded together (default: {default})", type=int, metavar="N"
+    ),
+    "num_kv_blocks": Flag(
+        "engine",
+        "KV cache blocks of --block-size tokens; 0 sizes the pool for max-num-seqs "
+        "full-length requests, capped at half the free GPU memory or 1 GiB on CPU "
+        "(default: {default})",
+        type=int,
+        metavar="N",
+    ),
+    "enforce_eager": Flag(
+        "engine", "run decode and prefill eagerly, never through CUDA graphs", switch=True
+    ),
+    "graph_backend": Flag(
+        "engine",
+        "auto: CUDA graphs where the capability check passes; cuda: the same, named; "
+        "sim: the CPU stand-in with the same lifecycle rules, for testing (default: {default})",
+        choices=("auto", "cuda", "sim"),
+    ),
+    "max_graph_bytes": Flag(
+        "engine",
+        "byte budget of the decode graphs, and separately of the segmented prefill "
+        "graphs, e.g. 512MiB or 4GiB; every device byte a graph causes is charged, its own "
+        "cuBLAS workspace included (default: {default} each)",
+        type=parse_bytes,
+        metavar="SIZE",
+        show=format_bytes,
+    ),
+    "graph_manifest": Flag(
+        "engine",
+        "prewarm the decode graphs listed in this manifest (written by export()) at "
+        "start; a manifest from another torch, device or model is refused and graphs start "
+        "lazily",
+        metavar="PATH",
+    ),
+    "warmup_graphs": Flag(
+        "engine",
+        "capture every decode graph the server can use (batch buckets up to "
+        "--max-num-seqs, block-table widths up to --max-model-len) before serving, largest "
+        "first within --max-graph-bytes; without it graphs are captured as traffic earns them",
+        switch=True,
+    ),
+    "prefill_graphs": Flag(
+        "engine",
+        "prefill eagerly while decode uses graphs: no segmented prefill captures "
+        "inside engine steps (each one delays the requests of that step)",
+        switch=True,
+        no_=True,
+    ),
+    "batch_buckets": Flag(
+        "engine",
+        "decode batch sizes that get a graph, comma separated; other sizes pad up, "
+        "and batches above the largest run eagerly (unbucketed_shape), so keep the largest >= "
+        "--max-num-seqs (default: {default})",
+        type=parse_buckets,
+        metavar="LIST",
+        show=lambda b: ",".join(str(x) for x in b),
+    ),
+    "host": Flag("server", "address to listen on (default: {default})"),
+    "port": Flag("server", "port to listen on (default: {default})", type=int),
+    "served_model_name": Flag(
+        "server", "model id clients send (default: the model's name)", metavar="NAME"
+    ),
+    "log_level": Flag("server", "(default: {default})", choices=LOG_LEVELS),
+}
+
+# fields that are settings of the Python API only, and why
+NOT_FLAGS = {
+    "graphs": "the GraphConfig: its fields are flags by their GRAPH_SETTINGS names",
+    "engine": "the EngineConfig: its fields are flags",
+    "graceful_shutdown_s": "how long SIGTERM waits for open responses; fixed for the server",
+    "verify": "parity before admission stays exact in the server (GraphConfig in Python)",
+    "reverify_every": "periodic re-verification is a testing aid (GraphConfig in Python)",
+    "admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
+    "prefill_admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
+}
+_GRAPH_FIELD_SETTING = {field: setting for setting, field in GRAPH_SETTINGS.items()}
+
+
+def setting_names() -> list[str]:
+    """Every setting of the config dataclasses, in the flat names the flags use."""
+    names = [f.name for f in fields(EngineConfig)] + [f.name for f in fields(ServerConfig)]
+    names += [_GRAPH_FIELD_SETTING.get(f.name, f.name) for f in fields(GraphConfig)]
+    return names
+
+
+def default_of(name: str) -> Any:
+    if name in GRAPH_SETTINGS:
+        return getattr(_ENGINE.graphs, GRAPH_SETTINGS[name])
+    return getattr(_ENGINE if hasattr(_ENGINE, name) else _SERVER, name)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per entry of FLAGS, in groups; every setting must have one or a reason."""
+    missing = [n for n in setting_names() if n not in FLAGS and n not in NOT_FLAGS]
+    if missing:
+        raise RuntimeError(f"settings without a flag or a reason in NOT_FLAGS: {missing}")
+    groups = {name: parser.add_argument_group(name) for name in ("model", "engine", "server")}
+    for name, flag in FLAGS.items():
+        _add_flag(groups[flag.group], name, flag)
+
+
+def _add_flag(group: argparse._ArgumentGroup, name: str, flag: Flag) -> None:
+    default = None if name == "max_num_batched_tokens" else default_of(name)
+    shown = flag.show(default_of(name)) if default_of(name) is not None else "none"
+    spelled = ("--no-" if flag.no_ else "--") + name.replace("_", "-")
+    options: dict[str, Any] = dict(dest=name, default=default, help=flag.help.format(default=shown))
+    if flag.switch:
+        options["action"] = "store_false" if flag.no_ else "store_true"
+    else:
+        options.update(type=flag.type, metavar=flag.metavar, choices=flag.choices)
+    group.add_argument(spelled, **options)
+
+
+def configs_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The frozen ServerConfig (with its EngineConfig) that `args` describe."""
+    values = {name: getattr(args, name) for name in FLAGS}
+    if values["max_num_batched_tokens"] is None:  # at least one decode token per sequence
+        default = _ENGINE.max_num_batched_tokens
+        values["max_num_batched_tokens"] = max(default, values["max_num_seqs"])
+    server_fields = {f.name for f in fields(ServerConfig)}
+    server = {k: v for k, v in values.items() if k in server_fields}
+    engine = engine_config(**{k: v for k, v in values.items() if k not in server_fields})
+    return ServerConfig(**server, engine=engine)
