@@ -8,15 +8,15 @@ import torch
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.sim import SimBackend
 from graphguard.engine.attention import AttentionMetadata
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.models import build_model
-from graphguard.engine.prefill_graphs import (
+from graphguard.engine.forward import (
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.models import build_model
 from graphguard.segmented import SegmentedRunner, run_eager, split_segments
 from tests.tiny import tiny_config
 
