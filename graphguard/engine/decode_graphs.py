@@ -28,8 +28,7 @@ from graphguard.core.reasons import EvictionCause
 from graphguard.core.runner import GraphRunner, WarmupReport
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.forward import EagerForward
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.model_runner import width_bucket
+from graphguard.engine.kv import PagedKVStorage, width_bucket
 
 log = logging.getLogger("graphguard")
 

@@ -90,3 +90,8 @@ class PagedKVStorage:
     @property
     def is_released(self) -> bool:
         return not self.k_cache
+
+
+def width_bucket(num_blocks: int) -> int:
+    """The power of two >= num_blocks: the padded block-table width of a decode batch."""
+    return 1 << max(0, num_blocks - 1).bit_length()

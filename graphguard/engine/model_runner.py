@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.batch import ScheduledBatch
 from graphguard.engine.forward import ImageSplice, image_splice
-from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.sampling import token_logprobs
-from graphguard.engine.scheduler import ScheduledBatch
 from graphguard.engine.sequence import Sequence
 
 # decode_fn(input_ids_gpu[B], positions_gpu[B], block_tables_gpu[B, W], seq_lens_gpu[B],
@@ -31,11 +31,6 @@ PrefillFn = Callable[[Tensor, Tensor, AttentionMetadata, ImageSplice | None], Te
 
 # Rows of prompt logits computed at once for prompt logprobs (bounds rows x vocab floats).
 PROMPT_LOGPROBS_CHUNK = 256
-
-
-def width_bucket(num_blocks: int) -> int:
-    """The power of two >= num_blocks: the padded block-table width of a decode batch."""
-    return 1 << max(0, num_blocks - 1).bit_length()
 
 
 class ModelRunner:

@@ -13,9 +13,9 @@ prefill recomputes prompt + output so far.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
+from graphguard.engine.batch import PrefillChunk, ScheduledBatch
 from graphguard.engine.sequence import Sequence, SequenceStatus, num_blocks_for
 
 
@@ -32,54 +32,6 @@ class BlockPool(Protocol):
     def allocate(self, n: int) -> list[int]: ...
 
     def free(self, blocks: list[int]) -> None: ...
-
-
-class PrefillChunk(NamedTuple):
-    """The next `num_tokens` uncached tokens of `seq`, prefilled in one step."""
-
-    seq: Sequence
-    num_tokens: int
-    completes: bool  # the chunk ends the prompt, so the step samples the next token
-
-    @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> PrefillChunk:
-        return cls(seq, num_tokens, seq.num_cached_tokens + num_tokens == seq.num_tokens)
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work. ``seqs`` is the request order in which outputs are returned."""
-
-    decodes: list[Sequence] = field(default_factory=list)  # one query token each
-    prefills: list[PrefillChunk] = field(default_factory=list)
-
-    @property
-    def prefill_seqs(self) -> list[Sequence]:
-        return [chunk.seq for chunk in self.prefills]
-
-    @property
-    def chunks(self) -> list[int]:
-        """Tokens of each prefill in this step."""
-        return [chunk.num_tokens for chunk in self.prefills]
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        # Decodes were admitted before this step's prefills, so this is admission order.
-        return self.decodes + self.prefill_seqs
-
-    @property
-    def completes(self) -> list[bool]:
-        """Per row of ``seqs``: whether it gets its next token from this step (every decode;
-        a prefill whose chunk ends its prompt). Fixed when the batch was scheduled."""
-        return [True] * len(self.decodes) + [chunk.completes for chunk in self.prefills]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return len(self.decodes) + sum(self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
 
 
 class Scheduler:

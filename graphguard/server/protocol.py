@@ -14,8 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
+from graphguard.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
+
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
-MAX_CHAT_TOP_LOGPROBS = 20  # the OpenAI limits
+MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
 MAX_COMPLETION_LOGPROBS = 5
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
@@ -56,8 +58,8 @@ class _GenerationRequest(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
     ignore_eos: bool = False
     logit_bias: Any = None

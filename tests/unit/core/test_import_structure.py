@@ -1,80 +1,19 @@
 """The shape of graphguard.core and graphguard.segmented: their modules import each other
-without a cycle, and the runtime imports nothing from the layers above it.
-
-Every Import / ImportFrom counts, wherever it is: at the top, inside a function, under
-`if TYPE_CHECKING:`. A deferred import hides a cycle from Python, not from the design.
-"""
+without a cycle, and the runtime imports nothing from the layers above it (tests/import_graph.py
+reads the imports)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from tests.import_graph import ROOT, find_cycle, import_graph, imported_modules, sources
 
-import graphguard
-
-ROOT = Path(graphguard.__file__).parent
 LAYERS = ("core", "segmented")
 # the one module outside graphguard.core that the runtime may import: a leaf
 LEAVES = {"graphguard.version"}
 
-Graph = dict[str, set[str]]
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
 
 def runtime_sources() -> dict[str, str]:
     """Source text of every graphguard.core and graphguard.segmented module, by name."""
-    paths = sorted(p for layer in LAYERS for p in (ROOT / layer).glob("*.py"))
-    return {module_name(path): path.read_text() for path in paths}
-
-
-def imported_modules(source: str, known: set[str]) -> set[str]:
-    """Every module `source` imports, anywhere in it. `from pkg import sub` names `pkg.sub`
-    when that is a known module, else `pkg`."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            # NOTE: a relative import would name no known module and slip past the walk.
-            assert node.level == 0, "graphguard imports absolutely"
-            base = node.module or ""
-            found |= {
-                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
-            }
-    return found
-
-
-def import_graph(sources: dict[str, str]) -> Graph:
-    """Edges between the given modules only; a module's own package does not count (Python
-    runs it first, as it must)."""
-    known = set(sources)
-    return {name: imported_modules(src, known) & known - {name} for name, src in sources.items()}
-
-
-def find_cycle(graph: Graph) -> list[str] | None:
-    """One import cycle of `graph` as [a, b, ..., a], or None when there is none."""
-    done: set[str] = set()
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        path.append(node)
-        for target in sorted(graph.get(node, ())):
-            if target in path:
-                return path[path.index(target) :] + [target]
-            if target not in done and (cycle := visit(target)):
-                return cycle
-        path.pop()
-        done.add(node)
-        return None
-
-    for node in sorted(graph):
-        if node not in done and (cycle := visit(node)):
-            return cycle
-    return None
+    return sources(*LAYERS)
 
 
 def graphguard_imports(source: str) -> set[str]:

@@ -9,8 +9,7 @@ from graphguard.engine.config import GraphConfig, engine_config
 from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.model_runner import width_bucket
+from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
