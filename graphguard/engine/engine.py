@@ -22,7 +22,7 @@ from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, build_graphs
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
-from graphguard.engine.model_runner import ModelRunner
+from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
 from graphguard.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -107,6 +107,9 @@ class LLMEngine:
             self.device,
             decode_fn=self.graphs.decode_fn if self.graphs else self.forward.decode,
             prefill_fn=self.graphs.prefill_fn if self.graphs else self.forward.prefill,
+            # NOTE: graphed prefill is keyed by its token count: pad it to a bucket, so keys
+            # recur; eager prefill gains nothing from padding.
+            prefill_bucket=prefill_token_bucket if self.graphs and self.graphs.prefill else None,
         )
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs

@@ -44,6 +44,7 @@ class ModelRunner:
         *,
         decode_fn: DecodeFn,
         prefill_fn: PrefillFn,
+        prefill_bucket: Callable[[int], int] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -51,6 +52,8 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.decode_fn = decode_fn
         self.prefill_fn = prefill_fn
+        # packed prefill tokens -> the count a prefill is padded up to (graphs: keys recur)
+        self.prefill_bucket = prefill_bucket
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -79,12 +82,24 @@ class ModelRunner:
             slots += [self._slot(seq, pos) for pos in new_positions]
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
-        query_start_loc = _cumsum0(query_lens)
         width = max(len(seq.block_table) for seq in seqs)
+        tables = [seq.block_table for seq in seqs]
+        pad = self.prefill_bucket(len(input_ids)) - len(input_ids) if self.prefill_bucket else 0
+        if pad > 0:
+            # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
+            # attends only over itself, and no real row reads the dummy block.
+            dummy = PagedKVStorage.DUMMY_BLOCK
+            input_ids += [0] * pad
+            positions += range(pad)
+            slots += [dummy * self.block_size + i % self.block_size for i in range(pad)]
+            seq_lens.append(pad)
+            query_lens.append(pad)
+            tables = tables + [[dummy]]
+        query_start_loc = _cumsum0(query_lens)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(seqs, width),
+            block_tables=self._table_tensor(tables, width),
             seq_lens=self._tensor(seq_lens, torch.int32),
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=seq_lens,
@@ -97,7 +112,8 @@ class ModelRunner:
         for seq, start, chunk in zip(seqs, query_start_loc, chunks, strict=False):
             if seq.params.prompt_logprobs is not None and not seq.has_prompt_logprobs:
                 self._add_prompt_logprobs(seq, hidden[start : start + chunk])
-        last_rows = self._tensor([end - 1 for end in query_start_loc[1:]], torch.int64)
+        ends = query_start_loc[1 : len(seqs) + 1]  # the real sequences' rows, not the padding
+        last_rows = self._tensor([end - 1 for end in ends], torch.int64)
         return self.model.compute_logits(hidden.index_select(0, last_rows)).float()
 
     def _add_prompt_logprobs(self, seq: Sequence, hidden: Tensor) -> None:
@@ -135,10 +151,12 @@ class ModelRunner:
         return block * self.block_size + position % self.block_size
 
     def _block_tables(self, seqs: list[Sequence], width: int) -> Tensor:
+        return self._table_tensor([seq.block_table for seq in seqs], width)
+
+    def _table_tensor(self, tables: list[list[int]], width: int) -> Tensor:
         # NOTE: padding points at the reserved dummy block, never at a live sequence's KV.
         pad = PagedKVStorage.DUMMY_BLOCK
-        rows = [seq.block_table + [pad] * (width - len(seq.block_table)) for seq in seqs]
-        return self._tensor(rows, torch.int32)
+        return self._tensor([table + [pad] * (width - len(table)) for table in tables], torch.int32)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -149,3 +167,12 @@ def _cumsum0(lengths: list[int]) -> list[int]:
     for n in lengths:
         total.append(total[-1] + n)
     return total
+
+
+def prefill_token_bucket(num_tokens: int) -> int:
+    """The token count a packed prefill of `num_tokens` is padded up to: a multiple of 16 up to
+    64, then of a quarter of the power of two below (16 for 64-127, 32 for 128-255, ...). Padding
+    stays under 25% (under 16 tokens below 64), with four keys per octave, so prefill graphs keyed
+    by token count recur under real traffic."""
+    step = max(16, 1 << max(0, num_tokens.bit_length() - 3))
+    return -(-num_tokens // step) * step

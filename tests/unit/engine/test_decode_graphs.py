@@ -10,6 +10,7 @@ from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
 from graphguard.engine.kv import PagedKVStorage, width_bucket
+from graphguard.engine.model_runner import prefill_token_bucket
 from graphguard.engine.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
@@ -239,5 +240,43 @@ def test_graph_stats_report_kv_bytes_next_to_graph_bytes(embedded_model):
         stats = engine.graphs.stats()
         assert stats["kv_bytes"] == engine.kv.kv_bytes and stats["resident_bytes"] > 0
         assert stats["graphs"][0]["verified"] == "exact"
+    finally:
+        engine.shutdown()
+
+
+def test_prefills_of_nearby_lengths_share_one_prefill_graph(embedded_model):
+    graphs = make_engine(embedded_model, graph_backend="sim")
+    eager = make_engine(embedded_model, enforce_eager=True)
+    try:
+        for words in (3, 4, 5):  # 9-13 prompt tokens: one 16-token bucket
+            prompt = {"q": " ".join(["one"] * words) + " two"}
+            assert generate(graphs, max_tokens=2, prompts=prompt) == generate(
+                eager, max_tokens=2, prompts=prompt
+            )
+        prefill = graphs.graphs.prefill.stats()
+        assert prefill["groups"] == 1 and prefill["captures"] == 1, prefill
+        assert prefill["replays"] >= 1  # the third prompt replayed the second one's graph
+    finally:
+        graphs.shutdown()
+        eager.shutdown()
+
+
+def test_prefill_padding_writes_only_the_dummy_block(embedded_model):
+    engine = make_engine(embedded_model, graph_backend="sim")
+    try:
+        ids = engine.tokenizer.encode(PROMPTS["c"])
+        assert prefill_token_bucket(len(ids)) > len(ids)  # the step below is padded
+        engine.add_request("c", ids, SamplingParams(temperature=0.0, max_tokens=2))
+        kv, dummy = engine.kv, PagedKVStorage.DUMMY_BLOCK
+        before = [c.clone() for c in (*kv.k_cache, *kv.v_cache)]
+        engine.step()  # the prefill
+        (seq,) = engine.scheduler.running
+        prompt_slots = {
+            seq.block_table[p // kv.block_size] * kv.block_size + p % kv.block_size
+            for p in range(len(ids))
+        }
+        changed = changed_slots(before, [*kv.k_cache, *kv.v_cache])
+        dummy_slots = set(range(dummy * kv.block_size, (dummy + 1) * kv.block_size))
+        assert changed - dummy_slots == prompt_slots and changed & dummy_slots
     finally:
         engine.shutdown()
