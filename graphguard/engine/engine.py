@@ -6,6 +6,7 @@ that touches requests, KV or weights holds it, so a step never overlaps a reload
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 
+log = logging.getLogger("graphguard")
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
 KV_BYTES_ON_CPU = 1 << 30
 
@@ -54,6 +56,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # One per prompt token (None for the first), in the request's first output only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # why the engine ended this request on its own (finish "abort")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -238,18 +241,6 @@ class LLMEngine:
                 return outputs
             try:
                 logits = self.runner.run(batch)
-                # Prefills that stop mid-prompt (chunked) get no token this step.
-                rows = [i for i, done in enumerate(batch.completes) if done]
-                seqs = [batch.seqs[i] for i in rows]
-                if len(rows) < len(batch.seqs):
-                    logits = logits[rows]
-                token_ids = sample(
-                    logits,
-                    [s.params for s in seqs],
-                    [s.generator for s in seqs],
-                    [s.output_token_ids for s in seqs],
-                )
-                logprobs = token_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
             except BaseException:
                 # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
                 # go back) and keep every output owed for the next step, then re-raise.
@@ -258,13 +249,63 @@ class LLMEngine:
                     self.abort_request(seq.request_id)
                 raise
             self.scheduler.advance(batch)
-            outputs += [
-                self._append(seq, token_id, logprob)
-                for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True)
-            ]
+            # Prefills that stop mid-prompt (chunked) get no token this step.
+            rows = [i for i, done in enumerate(batch.completes) if done]
+            seqs = [batch.seqs[i] for i in rows]
+            picked = self._sample_isolated(
+                logits[rows] if len(rows) < len(batch.seqs) else logits, seqs
+            )
+            for seq, choice in zip(seqs, picked, strict=True):
+                if isinstance(choice, Exception):
+                    outputs.append(self._fail(seq, choice))
+                else:
+                    outputs.append(self._append(seq, *choice))
             self._num_steps += 1
             self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
             return outputs
+
+    def _sample_isolated(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """Each row's (token, logprob), sampled for the whole batch at once; if that raises,
+        row by row, so that an error one request's parameters cause is that request's alone.
+
+        NOTE: a batch that raised may have advanced the generators of the rows drawn before
+        the error; those rows still get a proper draw, from the next state of their stream.
+        """
+        try:
+            return list(zip(*self._sample(logits, seqs), strict=True))
+        except Exception:  # noqa: BLE001 - found per row below
+            log.warning("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+        picked: list[tuple[int, TokenLogprob | None] | Exception] = []
+        for row, seq in enumerate(seqs):
+            try:
+                ((token_id, logprob),) = zip(
+                    *self._sample(logits[row : row + 1], [seq]), strict=True
+                )
+                picked.append((token_id, logprob))
+            except Exception as exc:  # noqa: BLE001 - this request's error: it ends it
+                picked.append(exc)
+        return picked
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Any]]:
+        params = [s.params for s in seqs]
+        token_ids = sample(
+            logits, params, [s.generator for s in seqs], [s.output_token_ids for s in seqs]
+        )
+        return token_ids, token_logprobs(logits, token_ids, [p.logprobs for p in params])
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End a request whose own sampling raised; its neighbours go on."""
+        log.error(
+            "request %s failed in sampling: %s: %s", seq.request_id, type(error).__name__, error
+        )
+        self.scheduler.finish(seq, "abort")
+        output = self._output(seq, [])
+        output.error = f"{type(error).__name__}: {error}"
+        self._forget(seq.request_id)
+        return output
 
     def _append(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None

@@ -60,6 +60,9 @@ class SamplingParams:
             )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if torch.tensor(self.top_p, dtype=torch.float32).item() == 0.0:
+            # the sampler compares in float32, where this top_p would keep no token at all
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (0 in float32)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(

@@ -167,3 +167,27 @@ def test_padded_rows_from_decode_fn_never_reach_the_sampler(
     _add_all(engine, prompt_ids[:2], [3, 3])
     outputs = run_to_completion(engine)
     assert [token_ids_of(outputs[f"r{i}"]) for i in range(2)] == [alone[0][:3], alone[1][:3]]
+
+
+def test_a_request_whose_sampling_fails_ends_alone_and_its_neighbours_go_on(
+    embedded_model: LoadedModel, prompt_ids: list[list[int]], alone: list[list[int]]
+) -> None:
+    engine = make_engine(embedded_model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    engine.add_request("r0", prompt_ids[0], greedy)
+    engine.add_request("bad", prompt_ids[1], SamplingParams(temperature=1.0, top_p=0.5))
+    engine.add_request("r2", prompt_ids[2], greedy)
+    # a value that got past validation (0 in float32): the draw raises for this row alone
+    object.__setattr__(engine._seqs["bad"].params, "top_p", 7e-46)
+    outputs = run_to_completion(engine)
+    (last_bad,) = outputs["bad"]
+    assert last_bad.finished and last_bad.finish_reason == "abort"
+    assert last_bad.error and "multinomial" in last_bad.error
+    assert token_ids_of(outputs["r0"]) == alone[0] and token_ids_of(outputs["r2"]) == alone[2]
+    assert engine.kv.num_used_blocks == 0  # the failed request's blocks went back too
+
+
+def test_a_top_p_that_is_zero_in_float32_is_refused() -> None:
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=7e-46).validate()
+    SamplingParams(temperature=1.0, top_p=1e-45).validate()  # the least float32 above 0 is fine
