@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from graphguard.engine.loader import (
     embedded_gguf_path,
     load_model,
 )
-from graphguard.engine.weights_cache import atomic_folder, cache_root
+from graphguard.engine.weights_cache import atomic_folder, cache_root, source_cache_folder
 
 
 def same_weights(a: LoadedModel, b: LoadedModel) -> bool:
@@ -101,3 +102,20 @@ def test_failed_cache_write_leaves_no_folder(tmp_path: Path) -> None:
         raise RuntimeError("conversion failed")
     assert not final.exists()
     assert list(final.parent.iterdir()) == []
+
+
+def test_the_converted_model_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHGUARD_CACHE_DIR", str(tmp_path / "cache"))
+    first, second, other = (tmp_path / name for name in ("a", "b", "c"))
+    for folder in (first, second, other):
+        folder.mkdir()
+    (first / "m.gguf").write_bytes(b"the same weights")
+    (second / "m.gguf").write_bytes(b"the same weights")  # a second install of one file
+    os.utime(second / "m.gguf", ns=(1, 1))
+    (other / "m.gguf").write_bytes(b"other weights!!!")  # same size, other bytes
+    a, b, c = (source_cache_folder(f / "m.gguf") for f in (first, second, other))
+    assert a == b and a != c
+    assert a.parent == tmp_path / "cache" / "models"
+    # a file that changed (its mtime with it) is read and keyed again
+    (first / "m.gguf").write_bytes(b"changed weights!")
+    assert source_cache_folder(first / "m.gguf") not in (a, c)
