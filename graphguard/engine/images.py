@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,10 @@ def _too_large(limits: ImageLimits) -> str:
     return f"The image is larger than the limit of {limits.max_image_bytes} bytes."
 
 
+# what PIL raises for a file it cannot decode (a corrupt PNG chunk raises SyntaxError)
+_CORRUPT = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
+
+
 def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
     """Decode image file bytes to RGB, refusing non-images and oversized dimensions."""
     try:
@@ -82,7 +87,8 @@ def open_image(data: bytes, limits: ImageLimits) -> Image.Image:
                 code="image_too_large",
             )
         return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+    # NOTE: PIL reports a corrupt file through many exception types, not all of them OSError.
+    except (UnidentifiedImageError, Image.DecompressionBombError, *_CORRUPT) as exc:
         raise ImageError(f"The data is not a readable image: {exc}") from exc
 
 

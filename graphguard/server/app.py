@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, lifespan (engine thread start/stop) and request metrics."""
+"""The FastAPI app: routes, lifespan (engine thread start/stop), request metrics, and the
+middleware that checks the Host header, the API key and the body size before any route."""
 
 from __future__ import annotations
 
@@ -14,16 +15,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from graphguard.engine.engine import LLMEngine
 from graphguard.server import protocol as p
+from graphguard.server import responses as r
 from graphguard.server.async_engine import AsyncEngine
+from graphguard.server.body_limit import BodyLimitMiddleware
 from graphguard.server.config import ServerConfig
 from graphguard.server.context import ServingContext
 from graphguard.server.errors import install_error_handlers
 from graphguard.server.handlers import create_chat_completion, create_completion
 from graphguard.server.metrics import ServerMetrics
+from graphguard.server.security import APIKeyMiddleware, HostCheckMiddleware
 
 ENDPOINTS = frozenset(
     {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
 )
+MODEL_PATH_PREFIX = "/v1/models/"  # GET /v1/models/{model_id}, one metrics label for all ids
 
 router = APIRouter()
 
@@ -52,9 +57,20 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="graphguard", summary="OpenAI-compatible server", lifespan=lifespan)
     app.state.serving = serving
     install_error_handlers(app)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    _add_middleware(app, config, metrics)
     app.include_router(router)
     return app
+
+
+def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
+    """Outermost first when a request arrives: metrics (which count every refusal), the Host
+    check, the API key, then the body limit, so no body is read for a refused caller."""
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.allowed_host_names is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=config.allowed_host_names)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # added last: outermost
 
 
 def _serving(request: Request) -> ServingContext:
@@ -73,8 +89,18 @@ async def health(ctx: Serving) -> JSONResponse:
 
 
 @router.get("/v1/models")
-async def list_models(ctx: Serving) -> p.ModelList:
-    return p.ModelList(data=[p.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)])
+async def list_models(ctx: Serving) -> r.ModelList:
+    return r.ModelList(data=[_model_card(ctx)])
+
+
+@router.get(MODEL_PATH_PREFIX + "{model_id:path}")
+async def retrieve_model(model_id: str, ctx: Serving) -> r.ModelCard:
+    ctx.check_model(model_id)  # a 404 (model_not_found) for any other id
+    return _model_card(ctx)
+
+
+def _model_card(ctx: ServingContext) -> r.ModelCard:
+    return r.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
 
 
 @router.post("/v1/completions")
@@ -125,8 +151,7 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = _endpoint_label(scope.get("path", ""))
         is_started = False
 
         async def counting_send(message: Message) -> None:
@@ -142,3 +167,10 @@ class RequestMetricsMiddleware:
             if not is_started:  # the outer error middleware will answer 500
                 self.metrics.requests.labels(endpoint, "500").inc()
             raise
+
+
+def _endpoint_label(path: str) -> str:
+    """The `endpoint` label of a request: its route, never a client-chosen string."""
+    if path in ENDPOINTS:
+        return path
+    return MODEL_PATH_PREFIX + "{model_id}" if path.startswith(MODEL_PATH_PREFIX) else "other"

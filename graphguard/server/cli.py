@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from graphguard.server.config import ServerConfig
-from graphguard.server.flags import add_flags, configs_from_args
+from graphguard.server.flags import add_flags, configs_from_args, format_bytes
 
 if TYPE_CHECKING:
     from graphguard.engine.engine import LLMEngine
@@ -66,6 +66,14 @@ def describe_engine(engine: LLMEngine, config: ServerConfig) -> list[str]:
     ]
 
 
+def describe_access(config: ServerConfig) -> str:
+    """The startup line that says who may call the server."""
+    key = "API key required" if config.api_key is not None else "no API key"
+    allowed = config.allowed_host_names
+    hosts = "any Host" if allowed is None else "Host in " + ", ".join(sorted(allowed))
+    return f"access: {key}, {hosts}, bodies up to {format_bytes(config.max_request_bytes)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `graphguard serve`; returns the process exit code."""
     parser = build_parser()
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, config)
     logger.info("OpenAI API at http://%s:%d/v1 (model id %r)", config.host, config.port,
                 config.model_name)  # fmt: skip
+    logger.info("%s", describe_access(config))
     return serve(app, config)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 
@@ -9,11 +10,24 @@ from graphguard.engine.config import EngineConfig
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+API_KEY_ENV = "GRAPHGUARD_API_KEY"  # read by `graphguard serve` when --api-key is not given
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether listening on `host` serves this machine only (`127.0.0.1`, `::1`, `localhost`)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where the server listens, the name it answers to, and the engine it serves.
+    """Where the server listens, the name it answers to, who may call it, and the engine it
+    serves.
 
     `served_model_name` None means: derive it from `engine.model` (see `model_name`).
     """
@@ -22,9 +36,33 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     log_level: str = "info"
+    # Clients must send `Authorization: Bearer <api_key>` (but to /health and /metrics).
+    api_key: str | None = field(default=None, repr=False)
+    # Host header names accepted besides the loopback ones (see `allowed_host_names`).
+    allowed_hosts: tuple[str, ...] = ()
+    max_request_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset to serve without one)")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+
+    @property
+    def allowed_host_names(self) -> frozenset[str] | None:
+        """Host header names the server answers, or None for any.
+
+        Listening on loopback, only loopback names (and `allowed_hosts`): a web page whose
+        name an attacker re-points at 127.0.0.1 (DNS rebinding) sends its own name. Listening
+        elsewhere, the names clients use are unknown unless `allowed_hosts` lists them.
+        """
+        if not self.allowed_hosts and not is_loopback(self.host):
+            return None
+        own = self.host.strip("[]").lower()
+        return LOOPBACK_NAMES | {own} | {name.lower() for name in self.allowed_hosts}
 
     @property
     def model_name(self) -> str:

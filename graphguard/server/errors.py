@@ -15,11 +15,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 logger = logging.getLogger("graphguard.server")
+_UNION_BRANCHES = frozenset({"str", "int", "float", "bool"})
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # as OpenAI answers a wrong key (code "invalid_api_key")
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable_error",
 }
@@ -37,6 +41,9 @@ class APIError(Exception):
         code: str | None = None,
         error_type: str | None = None,
     ) -> None:
+        # NOTE: a message may quote the request (a model name), and a lone surrogate there
+        # would make the response itself fail to encode; spell such characters out.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -62,17 +69,26 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem pydantic found, with the offending field as `param`."""
-    first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+    """The first problem pydantic found, with the offending field as `param`: one of our own
+    checks (a value error) before a type mismatch, which in a union every other branch of the
+    field also reports."""
+    errors = exc.errors() or [{"msg": "invalid request", "loc": ()}]
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx")
         detail = ctx.get("error", "") if isinstance(ctx, dict) else ""
         return APIError(400, f"Malformed JSON body: {detail}".rstrip(": "), code="invalid_json")
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if _is_field(part)]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     where = f"'{param}': " if param else ""
     return APIError(400, f"{where}{message}", param=param, code="invalid_value")
+
+
+def _is_field(part: int | str) -> bool:
+    """Whether a part of a pydantic error location names a field or an index, rather than the
+    body or a branch of a union (`str`, `list[int]`, `tagged-union[...]`)."""
+    return part != "body" and part not in _UNION_BRANCHES and "[" not in str(part)
 
 
 async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:

@@ -9,12 +9,13 @@ are read from the dataclasses, so there is one place to change one.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 from graphguard.engine.config import GRAPH_SETTINGS, EngineConfig, GraphConfig, engine_config
-from graphguard.server.config import LOG_LEVELS, ServerConfig
+from graphguard.server.config import API_KEY_ENV, LOG_LEVELS, ServerConfig
 
 _SERVER = ServerConfig()
 _ENGINE = _SERVER.engine
@@ -44,6 +45,14 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     if not buckets or buckets[0] < 1 or list(buckets) != sorted(set(buckets)):
         raise argparse.ArgumentTypeError(f"need increasing positive integers: {text!r}")
     return buckets
+
+
+def parse_hosts(text: str) -> tuple[str, ...]:
+    """`"api.example.com,gpu-box"` -> ("api.example.com", "gpu-box"): Host header names."""
+    hosts = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    if not hosts or any(" " in host or "/" in host for host in hosts):
+        raise argparse.ArgumentTypeError(f"not a comma list of host names: {text!r}")
+    return hosts
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -166,6 +175,30 @@ FLAGS: dict[str, Flag] = {
         "server", "model id clients send (default: the model's name)", metavar="NAME"
     ),
     "log_level": Flag("server", "(default: {default})", choices=LOG_LEVELS),
+    "api_key": Flag(
+        "server",
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics; the "
+        f"environment variable {API_KEY_ENV} sets it without showing it in the process list "
+        "(default: none)",
+        metavar="KEY",
+    ),
+    "allowed_hosts": Flag(
+        "server",
+        "Host header names to answer besides the loopback ones, comma separated; on a "
+        "loopback --host only those are answered (against DNS rebinding), on another --host "
+        "any name is unless this lists them (default: {default})",
+        type=parse_hosts,
+        metavar="LIST",
+        show=lambda hosts: ",".join(hosts) or "none",
+    ),
+    "max_request_bytes": Flag(
+        "server",
+        "largest request body, e.g. 4MiB; a larger one gets 413 before it is read in full "
+        "(default: {default})",
+        type=parse_bytes,
+        metavar="SIZE",
+        show=format_bytes,
+    ),
 }
 
 # fields that are settings of the Python API only, and why
@@ -219,6 +252,8 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, flag: Flag) -> None:
 def configs_from_args(args: argparse.Namespace) -> ServerConfig:
     """The frozen ServerConfig (with its EngineConfig) that `args` describe."""
     values = {name: getattr(args, name) for name in FLAGS}
+    if values["api_key"] is None:
+        values["api_key"] = os.environ.get(API_KEY_ENV) or None
     if values["max_num_batched_tokens"] is None:  # at least one decode token per sequence
         default = _ENGINE.max_num_batched_tokens
         values["max_num_batched_tokens"] = max(default, values["max_num_seqs"])

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from graphguard.engine.engine import RequestOutput
 from graphguard.engine.sampling import TokenLogprob
 from graphguard.engine.tokenizer import Tokenizer
-from graphguard.server import protocol as p
+from graphguard.server import responses as r
 
 # A token of a completions logprobs list: id, logprob and alternatives (None for the first
 # token of an echoed prompt, which has no context), and whether it is a prompt token.
@@ -54,30 +54,30 @@ class CompletionFormat:
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> BaseModel:
         echo, entries = self._take_echo(prompt_logprobs)
-        choice = p.CompletionChoice(
+        choice = r.CompletionChoice(
             text=echo + delta,
             finish_reason=finish_reason,
             logprobs=self._logprobs(entries + _entries(logprobs)),
         )
-        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
+        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
 
-    def usage_chunk(self, usage: p.Usage) -> BaseModel:
-        return p.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
+    def usage_chunk(self, usage: r.Usage) -> BaseModel:
+        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(
         self,
         output: RequestOutput,
-        usage: p.Usage,
+        usage: r.Usage,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> BaseModel:
         echo, entries = self._take_echo(prompt_logprobs)
-        choice = p.CompletionChoice(
+        choice = r.CompletionChoice(
             text=echo + output.text,
             finish_reason=output.finish_reason,
             logprobs=self._logprobs(entries + _entries(logprobs)),
         )
-        return p.CompletionResponse(
+        return r.CompletionResponse(
             id=self.request_id, model=self.model, choices=[choice], usage=usage
         )
 
@@ -95,10 +95,10 @@ class CompletionFormat:
         ]
         return text, entries
 
-    def _logprobs(self, entries: list[_Entry]) -> p.CompletionLogprobs | None:
+    def _logprobs(self, entries: list[_Entry]) -> r.CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
-        logprobs = p.CompletionLogprobs(
+        logprobs = r.CompletionLogprobs(
             tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]
         )
         # NOTE: every token has an entry, control tokens too (named by their text): scoring
@@ -131,7 +131,7 @@ class ChatFormat:
         self.with_logprobs = with_logprobs
 
     def opening(self) -> list[BaseModel]:
-        return [self._chunk(p.ChatDelta(role="assistant", content=""), None, [])]
+        return [self._chunk(r.ChatDelta(role="assistant", content=""), None, [])]
 
     def chunk(
         self,
@@ -140,42 +140,42 @@ class ChatFormat:
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> BaseModel:
-        return self._chunk(p.ChatDelta(content=delta or None), finish_reason, logprobs)
+        return self._chunk(r.ChatDelta(content=delta or None), finish_reason, logprobs)
 
-    def usage_chunk(self, usage: p.Usage) -> BaseModel:
-        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+    def usage_chunk(self, usage: r.Usage) -> BaseModel:
+        return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
 
     def response(
         self,
         output: RequestOutput,
-        usage: p.Usage,
+        usage: r.Usage,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> BaseModel:
-        message = p.AssistantMessage(content=output.text)
-        choice = p.ChatChoice(
+        message = r.AssistantMessage(content=output.text)
+        choice = r.ChatChoice(
             message=message, finish_reason=output.finish_reason, logprobs=self._logprobs(logprobs)
         )
-        return p.ChatCompletionResponse(
+        return r.ChatCompletionResponse(
             id=self.request_id, model=self.model, choices=[choice], usage=usage
         )
 
     def _chunk(
-        self, delta: p.ChatDelta, finish_reason: str | None, logprobs: list[TokenLogprob]
-    ) -> p.ChatCompletionChunk:
-        choice = p.ChatChunkChoice(
+        self, delta: r.ChatDelta, finish_reason: str | None, logprobs: list[TokenLogprob]
+    ) -> r.ChatCompletionChunk:
+        choice = r.ChatChunkChoice(
             delta=delta,
             finish_reason=finish_reason,
             logprobs=self._logprobs(logprobs) if logprobs else None,
         )
-        return p.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
+        return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
 
-    def _logprobs(self, logprobs: list[TokenLogprob]) -> p.ChatLogprobs | None:
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> r.ChatLogprobs | None:
         if not self.with_logprobs:
             return None
-        return p.ChatLogprobs(
+        return r.ChatLogprobs(
             content=[
-                p.ChatTokenLogprob(
+                r.ChatTokenLogprob(
                     **self._top_logprob(lp.token_id, lp.logprob).model_dump(),
                     top_logprobs=[self._top_logprob(i, v) for i, v in lp.top],
                 )
@@ -184,9 +184,9 @@ class ChatFormat:
             ]
         )
 
-    def _top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
+    def _top_logprob(self, token_id: int, logprob: float) -> r.TopLogprob:
         raw = self.tokenizer.token_bytes(token_id)
-        return p.TopLogprob(token=token_name(raw), logprob=logprob, bytes=list(raw))
+        return r.TopLogprob(token=token_name(raw), logprob=logprob, bytes=list(raw))
 
 
 def token_name(raw: bytes) -> str:

@@ -21,6 +21,7 @@ from torch import Tensor
 from graphguard.engine.engine import RequestOutput
 from graphguard.engine.sampling import SamplingParams, TokenLogprob
 from graphguard.server import protocol as p
+from graphguard.server import responses as r
 from graphguard.server.async_engine import EngineClosedError, RequestStream
 from graphguard.server.context import ServingContext
 from graphguard.server.errors import APIError, error_body
@@ -234,8 +235,8 @@ def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def _usage(trace: RequestTrace) -> p.Usage:
-    return p.Usage(
+def _usage(trace: RequestTrace) -> r.Usage:
+    return r.Usage(
         prompt_tokens=trace.num_prompt_tokens,
         completion_tokens=trace.num_output_tokens,
         total_tokens=trace.num_prompt_tokens + trace.num_output_tokens,

@@ -9,6 +9,7 @@ anything else, or data that is not an image or is too large, is a 400 naming the
 from __future__ import annotations
 
 import asyncio
+import struct
 
 from torch import Tensor
 
@@ -17,6 +18,10 @@ from graphguard.engine.vision import VisionEncoder
 from graphguard.server import protocol as p
 from graphguard.server.context import ServingContext
 from graphguard.server.errors import APIError
+
+# What PIL raises besides OSError on corrupt data (SyntaxError: a PNG chunk that is not one);
+# Image.open itself treats these as "not this format".
+_DECODE_ERRORS = (SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
 
 
 async def chat_prompt(
@@ -62,6 +67,8 @@ def _load_images(urls: list[str], vision: VisionEncoder) -> list[Tensor]:
         return [load_image(url, config.image_size, config.limits) for url in urls]
     except ImageError as exc:
         raise _image_error(exc) from exc
+    except _DECODE_ERRORS as exc:
+        raise _image_error(ImageError(f"The data is not a readable image: {exc}")) from exc
 
 
 def _image_error(exc: ImageError) -> APIError:

@@ -1,7 +1,10 @@
-"""OpenAI-shaped request and response bodies.
+"""OpenAI-shaped request bodies (the responses are in graphguard.server.responses).
 
 Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
 infinities are refused at parse time, sampling values are range-checked, and `n` must be 1.
+Types are strict where the OpenAI API's are: integers and booleans must be JSON integers and
+booleans (`max_tokens: true` and `stream: "yes"` are refused), numbers may be integers or
+floats; text must be valid Unicode (no lone UTF-16 surrogates, which JSON escapes can carry).
 OpenAI fields this server does not implement (tools, logit_bias, response_format...)
 are accepted at their "off" values, which clients often send, and refused with a 400 otherwise,
 so no answer silently lacks what was asked for. Other unknown fields are ignored.
@@ -9,16 +12,26 @@ so no answer silently lacks what was asked for. Other unknown fields are ignored
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+)
 
 from graphguard.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
 
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
 MAX_COMPLETION_LOGPROBS = 5
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's seed is
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -38,30 +51,47 @@ def _asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(off) and value == off for off in off_values)
 
 
+def valid_unicode(text: str) -> str:
+    """`text`, if it encodes as UTF-8: a lone surrogate (JSON `"\\ud800"`) does not, and would
+    fail later in the tokenizer or while writing a response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text holds a lone UTF-16 surrogate at index {exc.start}") from None
+    return text
+
+
+def _valid_texts(value: str | list[Any] | None) -> None:
+    for text in [value] if isinstance(value, str) else value or []:
+        if isinstance(text, str):
+            valid_unicode(text)
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _GenerationRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with completions' echo
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
-    n: int = 1
+    max_tokens: StrictInt | None = Field(default=None, ge=0)  # 0 only with completions' echo
+    # Below the engine's GREEDY_BELOW_TEMPERATURE a temperature is greedy, so every one is usable.
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
+    n: StrictInt = 1
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     logit_bias: Any = None
     response_format: Any = None
 
@@ -72,6 +102,21 @@ class _GenerationRequest(_Body):
         if not _asks_for_nothing(value, UNSUPPORTED_FIELDS[name]):
             raise ValueError(f"{name} is not supported by this server")
         return value
+
+    @field_validator("model", "stop")
+    @classmethod
+    def _valid_unicode(cls, value: str | list[str] | None) -> str | list[str] | None:
+        _valid_texts(value)
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_keeps_a_token(cls, top_p: float | None) -> float | None:
+        # NOTE: the sampler compares cumulative probabilities with top_p in float32, where a
+        # top_p this small is 0 and would keep no token at all.
+        if top_p is not None and float(np.float32(top_p)) == 0.0:
+            raise ValueError(f"top_p {top_p!r} is 0 in float32 and would keep no token")
+        return top_p
 
     @field_validator("n")
     @classmethod
@@ -105,11 +150,11 @@ class _GenerationRequest(_Body):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is text, a one-element list of text, or token ids."""
 
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[StrictInt]
     # The chosen token's log probability and this many alternatives per generated token.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # The prompt comes back before the completion (with its tokens' logprobs, if asked for).
-    echo: bool | None = None
+    echo: StrictBool | None = None
     suffix: Any = None
     best_of: Any = None
 
@@ -122,6 +167,7 @@ class CompletionRequest(_GenerationRequest):
             prompt = str(prompt[0])
         if not prompt:
             raise ValueError("prompt must not be empty")
+        _valid_texts(prompt)
         return prompt  # type: ignore[return-value]  # a list here holds token ids
 
 
@@ -129,10 +175,20 @@ class TextPart(_Body):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _valid_unicode(cls, text: str) -> str:
+        return valid_unicode(text)
+
 
 class ImageURL(_Body):
     url: str  # only base64 data URLs are accepted (graphguard.engine.images)
     detail: Literal["auto", "low", "high"] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _valid_unicode(cls, url: str) -> str:
+        return valid_unicode(url)
 
 
 class ImagePart(_Body):
@@ -146,6 +202,12 @@ ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_unicode(cls, content: str | list[Any] | None) -> str | list[Any] | None:
+        _valid_texts(content)  # the parts' texts are checked by TextPart
+        return content
 
     @property
     def image_urls(self) -> list[str]:
@@ -171,15 +233,27 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)  # chat has no echo: 0 asks for nothing
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)  # no echo: 0 asks for nothing
+    # The newer name of max_tokens; both may be sent, but only with the same value.
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
 
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees_with_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        max_tokens = info.data.get("max_tokens")
+        if None not in (value, max_tokens) and value != max_tokens:
+            raise ValueError(
+                f"max_completion_tokens ({value}) and max_tokens ({max_tokens}) disagree; "
+                "send one of them, or both with the same value"
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -195,113 +269,4 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
-
-
-# ---- responses -------------------------------------------------------------------------------
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class CompletionLogprobs(BaseModel):
-    """Per token; with `echo` the prompt's first token has no logprob (null entries)."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, or one streamed chunk of it (then `usage` is usually None)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "graphguard"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -20,6 +21,7 @@ from openai import OpenAI  # noqa: E402
 
 from graphguard.engine.config import EngineConfig  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
+from graphguard.engine.loader import LoadedModel  # noqa: E402
 from graphguard.server.app import build_app  # noqa: E402
 from graphguard.server.config import ServerConfig  # noqa: E402
 
@@ -38,9 +40,18 @@ def server(engine: LLMEngine) -> Iterator[RunningServer]:
     yield from serve(engine, TEST_ENGINE)
 
 
-def serve(engine: LLMEngine, engine_config: EngineConfig) -> Iterator[RunningServer]:
-    """Run `engine` behind uvicorn on a free loopback port until the generator is closed."""
-    config = ServerConfig(port=free_port(), engine=engine_config)
+def engine_sharing_weights(engine: LLMEngine, config: EngineConfig = TEST_ENGINE) -> LLMEngine:
+    """A second engine (its own KV pool and thread) over the session engine's loaded model."""
+    loaded = LoadedModel(engine.loaded.name, engine.model, engine.model_config, engine.tokenizer)
+    return LLMEngine(config, loaded)
+
+
+def serve(
+    engine: LLMEngine, engine_config: EngineConfig, **server_fields: Any
+) -> Iterator[RunningServer]:
+    """Run `engine` behind uvicorn on a free loopback port until the generator is closed;
+    `server_fields` are ServerConfig fields (api_key, max_request_bytes, ...)."""
+    config = ServerConfig(port=free_port(), engine=engine_config, **server_fields)
     app = build_app(engine, config)
     uv = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")

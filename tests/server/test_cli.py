@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from graphguard.server.cli import build_parser, config_from_args, main
-from graphguard.server.config import ServerConfig
+from graphguard.server.config import API_KEY_ENV, ServerConfig
 from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
 
 from .helpers import MODEL, free_port, wait_for
@@ -97,6 +97,7 @@ def test_serve_answers_health_then_exits_zero_on_sigterm(
     assert process.wait(timeout=10) == 0
     log = process.stdout.read() if process.stdout else ""
     assert "decode graphs:" in log and "KV cache:" in log
+    assert "access: no API key, Host in 127.0.0.1, ::1, localhost" in log
 
 
 def test_sigterm_ends_an_in_flight_stream_with_abort(
@@ -138,3 +139,27 @@ def test_a_long_context_keeps_the_step_token_budget():
     assert config.engine.max_num_batched_tokens == 4096
     many = config_from_args(build_parser().parse_args(["--max-num-seqs", "8192"]))
     assert many.engine.max_num_batched_tokens == 8192
+
+
+def test_the_api_key_comes_from_the_environment_unless_the_flag_gives_one(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    assert config_from_args(build_parser().parse_args([])).api_key == "sk-from-env"
+    flag = config_from_args(build_parser().parse_args(["--api-key", "sk-flag"]))
+    assert flag.api_key == "sk-flag"
+    monkeypatch.setenv(API_KEY_ENV, "")  # set but empty: no key
+    assert config_from_args(build_parser().parse_args([])).api_key is None
+
+
+def test_an_empty_api_key_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--api-key", " "])
+    assert exit_info.value.code == 2
+    assert "api_key must not be empty" in capsys.readouterr().err
+
+
+def test_access_flags_reach_the_server_config():
+    args = ["--allowed-hosts", "API.example, gpu-box", "--max-request-bytes", "1MiB"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.allowed_hosts == ("api.example", "gpu-box")
+    assert config.max_request_bytes == 1 << 20
+    assert ServerConfig().max_request_bytes == 4 << 20

@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from graphguard.server.errors import APIError, error_response
+
 from .helpers import MODEL, RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -118,6 +120,51 @@ BAD_REQUESTS = [
     ),  # fmt: skip
     ("suffix", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
     ("best_of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
+    # Text that is not valid Unicode: JSON escapes can carry a lone UTF-16 surrogate, which the
+    # tokenizer (TypeError) and the response encoder (UnicodeEncodeError) cannot take.
+    ("prompt_lone_surrogate", COMPLETIONS, _completion(prompt="\ud800"), 400, "prompt"),
+    ("prompt_list_lone_surrogate", COMPLETIONS, _completion(prompt=["a\udc00"]), 400, "prompt"),
+    ("model_lone_surrogate", CHAT, _chat(model="\ud800"), 400, "model"),
+    ("stop_lone_surrogate", COMPLETIONS, _completion(stop=["\ud800"]), 400, "stop"),
+    (
+        "content_lone_surrogate",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "hi \ud800"}]),
+        400,
+        "messages.0.content",
+    ),
+    # Integers and booleans are strict, as in the OpenAI API.
+    ("max_tokens_true", COMPLETIONS, _completion(max_tokens=True), 400, "max_tokens"),
+    ("chat_max_tokens_float", CHAT, _chat(max_tokens=2.0), 400, "max_tokens"),
+    ("stream_string", CHAT, _chat(stream="yes"), 400, "stream"),
+    ("stream_one", COMPLETIONS, _completion(stream=1), 400, "stream"),
+    ("echo_string", COMPLETIONS, _completion(echo="true"), 400, "echo"),
+    ("chat_logprobs_one", CHAT, _chat(logprobs=1), 400, "logprobs"),
+    ("n_true", CHAT, _chat(n=True), 400, "n"),
+    ("seed_string", COMPLETIONS, _completion(seed="7"), 400, "seed"),
+    ("temperature_true", CHAT, _chat(temperature=True), 400, "temperature"),
+    ("temperature_string", COMPLETIONS, _completion(temperature="0.5"), 400, "temperature"),
+    ("prompt_token_true", COMPLETIONS, _completion(prompt=[True, 2]), 400, "prompt"),
+    (
+        "include_usage_string",
+        CHAT,
+        _chat(stream=True, stream_options={"include_usage": "yes"}),
+        400,
+        "stream_options.include_usage",
+    ),
+    # A seed is a signed 64-bit integer; torch's generator would overflow past it.
+    ("seed_above_int64", COMPLETIONS, _completion(seed=1 << 63), 400, "seed"),
+    ("seed_below_int64", CHAT, _chat(seed=-(1 << 63) - 1), 400, "seed"),
+    # top_p is compared in float32, where this one is 0: it would keep no token.
+    ("top_p_zero_in_float32", CHAT, _chat(top_p=7e-46), 400, "top_p"),
+    ("top_p_zero_in_float32_completions", COMPLETIONS, _completion(top_p=1e-300), 400, "top_p"),
+    (
+        "max_tokens_disagree",
+        CHAT,
+        _chat(max_tokens=5, max_completion_tokens=3),
+        400,
+        "max_completion_tokens",
+    ),
 ]
 
 
@@ -187,3 +234,52 @@ def test_unimplemented_fields_at_their_off_values_are_accepted(
     response = _post(server, endpoint, body)
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 1
+
+
+def test_numbers_may_be_json_integers(server: RunningServer) -> None:
+    # OpenAI's numbers (temperature, top_p, penalties) take 1 as readily as 1.0.
+    body = _completion(max_tokens=1, temperature=1, top_p=1, frequency_penalty=1, seed=-1)
+    response = _post(server, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+
+
+def test_seeds_at_the_int64_bounds_are_accepted(server: RunningServer) -> None:
+    for seed in (-(1 << 63), (1 << 63) - 1):
+        response = _post(server, COMPLETIONS, _completion(max_tokens=1, seed=seed))
+        assert response.status_code == 200, response.text
+
+
+def test_the_smallest_positive_top_p_in_float32_is_accepted(server: RunningServer) -> None:
+    response = _post(server, COMPLETIONS, _completion(max_tokens=2, top_p=1.5e-45))
+    assert response.status_code == 200, response.text
+
+
+def test_a_positive_temperature_too_small_to_divide_by_samples_greedily(
+    server: RunningServer,
+) -> None:
+    # 5e-324 is 0 in float32; the engine takes the argmax below GREEDY_BELOW_TEMPERATURE.
+    def text(temperature: float) -> str:
+        body = _completion(max_tokens=6, temperature=temperature, ignore_eos=True)
+        response = _post(server, COMPLETIONS, body)
+        assert response.status_code == 200, response.text
+        return str(response.json()["choices"][0]["text"])
+
+    assert text(5e-324) == text(0)
+
+
+def test_max_tokens_and_max_completion_tokens_that_agree_are_accepted(
+    server: RunningServer,
+) -> None:
+    body = _chat(max_tokens=2, max_completion_tokens=2, ignore_eos=True)
+    response = _post(server, CHAT, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_error_quoting_a_lone_surrogate_still_renders() -> None:
+    # The last line of defence behind the request checks: the message spells the character out.
+    response = error_response(APIError(404, "The model '\ud800' does not exist."))
+    assert (
+        json.loads(bytes(response.body))["error"]["message"]
+        == "The model '\\ud800' does not exist."
+    )

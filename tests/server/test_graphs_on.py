@@ -10,9 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
 
-from .conftest import TEST_ENGINE, serve
+from .conftest import TEST_ENGINE, engine_sharing_weights, serve
 from .helpers import RunningServer
 
 GRAPH_ENGINE = replace(
@@ -22,8 +21,7 @@ GRAPH_ENGINE = replace(
 
 @pytest.fixture(scope="module")
 def graph_server(engine: LLMEngine) -> Iterator[RunningServer]:
-    loaded = LoadedModel(engine.loaded.name, engine.model, engine.model_config, engine.tokenizer)
-    graph_engine = LLMEngine(GRAPH_ENGINE, loaded)
+    graph_engine = engine_sharing_weights(engine, GRAPH_ENGINE)
     yield from serve(graph_engine, GRAPH_ENGINE)
 
 

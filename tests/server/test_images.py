@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -11,6 +12,10 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from graphguard.engine.engine import LLMEngine
+from tests.broken_images import broken_png_chunk
+
+from .conftest import TEST_ENGINE, engine_sharing_weights, serve
 from .helpers import MODEL, RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -69,24 +74,51 @@ def _too_large() -> str:
     return "data:image/png;base64," + "A" * (6 << 20)
 
 
+def _broken_png_chunk() -> str:
+    return "data:image/png;base64," + base64.b64encode(broken_png_chunk()).decode()
+
+
 @pytest.mark.parametrize(
     ("url", "code"),
     [
         ("data:image/png;base64,%%%not-base64%%%", "invalid_image"),
         (_not_an_image(), "invalid_image"),
-        (_too_large(), "image_too_large"),
+        (_broken_png_chunk(), "invalid_image"),
         ("https://example.com/cat.png", "invalid_image_url"),
     ],
-    ids=["not_base64", "not_an_image", "too_large", "remote_url"],
+    ids=["not_base64", "not_an_image", "broken_png_chunk", "remote_url"],
 )
 def test_a_bad_image_gets_a_400_naming_the_problem(
     server: RunningServer, url: str, code: str
 ) -> None:
     response = post_chat(server, image_message(url))
-    assert response.status_code == 400
+    assert response.status_code == 400, response.text
+    assert_image_error(response, code)
+
+
+def assert_image_error(response: httpx.Response, code: str) -> None:
     error = response.json()["error"]
     assert error["code"] == code and error["param"] == "messages"
     assert error["type"] == "invalid_request_error" and error["message"]
+
+
+@pytest.fixture(scope="module")
+def roomy_server(engine: LLMEngine) -> Iterator[RunningServer]:
+    """A server whose body limit lets an image past the image size limit reach the engine."""
+    yield from serve(engine_sharing_weights(engine), TEST_ENGINE, max_request_bytes=16 << 20)
+
+
+def test_an_image_over_the_image_limit_gets_a_400(roomy_server: RunningServer) -> None:
+    response = post_chat(roomy_server, image_message(_too_large()))
+    assert response.status_code == 400, response.text
+    assert_image_error(response, "image_too_large")
+
+
+def test_an_image_over_the_body_limit_gets_a_413(server: RunningServer) -> None:
+    # The default --max-request-bytes (4 MiB) holds less than one image at the image limit.
+    response = post_chat(server, image_message(_too_large()))
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
 
 
 def test_too_many_images_get_a_400(server: RunningServer) -> None:

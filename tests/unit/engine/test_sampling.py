@@ -162,3 +162,10 @@ def test_token_logprobs_are_log_softmax_of_the_chosen_token_with_the_best_altern
     assert math.isclose(first.top[0][1], expected[0, 1].item(), rel_tol=1e-6)
     assert second.top == () and math.isclose(second.logprob, expected[1, 2].item(), rel_tol=1e-6)
     assert token_logprobs(logits, [0, 0, 0], [None, None, None]) == [None, None, None]
+
+
+def test_a_seed_outside_64_bits_is_refused() -> None:
+    with pytest.raises(ValueError, match="64-bit"):
+        SamplingParams(seed=2**64).validate()
+    SamplingParams(seed=2**63 - 1).validate()
+    SamplingParams(seed=-(2**63)).validate()

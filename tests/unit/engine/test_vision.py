@@ -16,8 +16,10 @@ from graphguard.engine.images import (
     expand_image_tokens,
     image_positions,
     load_image,
+    open_image,
 )
 from graphguard.engine.vision import VisionConfig, build_vision_encoder, request_image_embeds
+from tests.broken_images import broken_png_chunk
 
 LIMITS = ImageLimits()
 CONFIG = VisionConfig()
@@ -124,3 +126,8 @@ def test_request_embeds_need_one_placeholder_run_per_image():
     assert positions == list(range(1, 17)) and embeds.shape == (16, 48)
     with pytest.raises(ImageError, match="2 images"):
         request_image_embeds(vision, prompt, [pixels, pixels])
+
+
+def test_a_png_that_fails_to_decode_is_an_image_error() -> None:
+    with pytest.raises(ImageError):
+        open_image(broken_png_chunk(), LIMITS)
