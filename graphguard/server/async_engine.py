@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +66,20 @@ class RequestStream:
 
 
 @dataclass(frozen=True)
-class _Add:
-    stream: RequestStream
+class EngineRequest:
+    """A request for the engine: its id (unique among those in flight), prompt and sampling."""
+
+    request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    accepted: Future[None]
     images: list[Tensor] | None = None  # pixel tensors, one per image placeholder run
+
+
+@dataclass(frozen=True)
+class _Add:
+    requests: list[EngineRequest]
+    streams: list[RequestStream]  # one per request, in order
+    accepted: Future[None]
 
 
 @dataclass(frozen=True)
@@ -99,25 +107,21 @@ class AsyncEngine:
         self._stats = dict(self._engine.stats())
         self._thread.start()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        images: list[Tensor] | None = None,
-    ) -> RequestStream:
-        """Admit a request; raises the engine's ValueError when it refuses it."""
+    async def generate(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
+        """Admit every request or none, one stream each; raises the engine's ValueError when it
+        refuses one (the requests added before it are aborted before any step runs them)."""
         if self._is_closing:
             raise EngineClosedError("the server is shutting down")
-        stream = RequestStream(request_id, len(prompt_token_ids))
+        streams = [RequestStream(r.request_id, len(r.prompt_token_ids)) for r in requests]
         accepted: Future[None] = Future()
-        self._send(_Add(stream, prompt_token_ids, params, accepted, images))
+        self._send(_Add(list(requests), streams, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been admitted just before we were cancelled
+            for request in requests:  # they may have been admitted just before we were cancelled
+                self.abort(request.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; its stream ends with finish_reason "abort"."""
@@ -222,19 +226,27 @@ class AsyncEngine:
 
     def _add(self, command: _Add) -> None:
         if not command.accepted.set_running_or_notify_cancel():
-            return  # the client went away before the request reached the engine
-        stream = command.stream
+            return  # the client went away before the requests reached the engine
+        added: list[str] = []
         try:
-            # Images only when present, so engines without image input keep working.
-            extra = {"images": command.images} if command.images else {}
-            self._engine.add_request(
-                stream.request_id, command.prompt_token_ids, command.params, **extra
-            )
+            for request in command.requests:
+                self._add_request(request)
+                added.append(request.request_id)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller, not swallowed
+            # NOTE: no step has run since they were added, so none of them produced a token.
+            for request_id in added:
+                self._engine.abort_request(request_id)
             command.accepted.set_exception(exc)
             return
-        self._streams[stream.request_id] = stream
+        self._streams.update((stream.request_id, stream) for stream in command.streams)
         command.accepted.set_result(None)
+
+    def _add_request(self, request: EngineRequest) -> None:
+        # Images only when present, so engines without image input keep working.
+        extra = {"images": request.images} if request.images else {}
+        self._engine.add_request(
+            request.request_id, request.prompt_token_ids, request.params, **extra
+        )
 
     def _abort(self, request_id: str | None) -> None:
         ids = list(self._streams) if request_id is None else [request_id]

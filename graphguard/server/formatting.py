@@ -3,13 +3,17 @@ and `ChatFormat` for /v1/chat/completions, with the token names and text offsets
 carry (`TokenTexts`).
 
 Both formats have the same methods (`opening`, `chunk`, `usage_chunk`, `response`), so the
-handlers stream and collect outputs without knowing which endpoint they serve.
+handlers stream and collect outputs without knowing which endpoint they serve. A response may
+have several choices (one per completions prompt): `chunk` takes the choice's index.
 """
 
 from __future__ import annotations
 
 import codecs
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import BaseModel
 
@@ -23,65 +27,32 @@ from graphguard.server import responses as r
 _Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None, bool]
 
 
-class CompletionFormat:
-    """Shapes outputs as /v1/completions objects; with `echo_text`, the prompt comes first
-    (in the first streamed chunk) and, with logprobs, its tokens' entries too."""
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One choice's whole answer, for a non-streamed response: its final output, every
+    generated token's logprobs, and the prompt's (when asked for)."""
 
-    def __init__(
-        self,
-        model: str,
-        tokenizer: Tokenizer,
-        with_logprobs: bool = False,
-        echo_text: str | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> None:
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.model = model
-        self.tokenizer = tokenizer
-        self.with_logprobs = with_logprobs
-        self._echo_text = echo_text
-        self._prompt_ids = prompt_ids or []
-        self._texts = TokenTexts(tokenizer, echo_text or "")  # offsets run across chunks
+    output: RequestOutput
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
-    def opening(self) -> list[BaseModel]:
-        return []
 
-    def chunk(
-        self,
-        delta: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> BaseModel:
-        echo, entries = self._take_echo(prompt_logprobs)
-        choice = r.CompletionChoice(
-            text=echo + delta,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(entries + _entries(logprobs)),
-        )
-        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
+class CompletionPrompt(NamedTuple):
+    """A prompt as its choice shows it: its token ids and, with `echo`, the text returned."""
 
-    def usage_chunk(self, usage: r.Usage) -> BaseModel:
-        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
+    token_ids: list[int]
+    echo_text: str | None = None
 
-    def response(
-        self,
-        output: RequestOutput,
-        usage: r.Usage,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> BaseModel:
-        echo, entries = self._take_echo(prompt_logprobs)
-        choice = r.CompletionChoice(
-            text=echo + output.text,
-            finish_reason=output.finish_reason,
-            logprobs=self._logprobs(entries + _entries(logprobs)),
-        )
-        return r.CompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage
-        )
 
-    def _take_echo(
+class _ChoiceText:
+    """A completions choice's own state: its echo, sent once, and its tokens' text offsets."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt: CompletionPrompt) -> None:
+        self._echo_text = prompt.echo_text
+        self._prompt_ids = prompt.token_ids
+        self.texts = TokenTexts(tokenizer, prompt.echo_text or "")  # offsets run across chunks
+
+    def take_echo(
         self, prompt_logprobs: list[TokenLogprob | None] | None
     ) -> tuple[str, list[_Entry]]:
         """The echoed prompt and its entries, once (the first chunk); then nothing."""
@@ -95,7 +66,69 @@ class CompletionFormat:
         ]
         return text, entries
 
-    def _logprobs(self, entries: list[_Entry]) -> r.CompletionLogprobs | None:
+
+class CompletionFormat:
+    """Shapes outputs as /v1/completions objects, choice `i` answering `prompts[i]`; with an
+    echo text, a choice's prompt comes first (in its first streamed chunk) and, with logprobs,
+    its tokens' entries too."""
+
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        prompts: Sequence[CompletionPrompt],
+        with_logprobs: bool = False,
+    ) -> None:
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.model = model
+        self.tokenizer = tokenizer
+        self.with_logprobs = with_logprobs
+        self._choices = [_ChoiceText(tokenizer, prompt) for prompt in prompts]
+
+    def opening(self) -> list[BaseModel]:
+        return []
+
+    def chunk(
+        self,
+        index: int,
+        delta: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> BaseModel:
+        choice = self._choice(index, delta, finish_reason, logprobs, prompt_logprobs)
+        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: r.Usage) -> BaseModel:
+        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
+
+    def response(self, outputs: list[ChoiceOutput], usage: r.Usage) -> BaseModel:
+        choices = [
+            self._choice(i, o.output.text, o.output.finish_reason, o.logprobs, o.prompt_logprobs)
+            for i, o in enumerate(outputs)
+        ]
+        return r.CompletionResponse(
+            id=self.request_id, model=self.model, choices=choices, usage=usage
+        )
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob],
+        prompt_logprobs: list[TokenLogprob | None] | None,
+    ) -> r.CompletionChoice:
+        state = self._choices[index]
+        echo, entries = state.take_echo(prompt_logprobs)
+        return r.CompletionChoice(
+            index=index,
+            text=echo + text,
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(state.texts, entries + _entries(logprobs)),
+        )
+
+    def _logprobs(self, texts: TokenTexts, entries: list[_Entry]) -> r.CompletionLogprobs | None:
         if not self.with_logprobs:
             return None
         logprobs = r.CompletionLogprobs(
@@ -104,14 +137,14 @@ class CompletionFormat:
         # NOTE: every token has an entry, control tokens too (named by their text): scoring
         # tools index these lists by token position.
         for token_id, logprob, top, is_prompt in entries:
-            token, offset = self._texts.add(token_id, is_prompt)
+            token, offset = texts.add(token_id, is_prompt)
             logprobs.tokens.append(token)
             logprobs.token_logprobs.append(logprob)
             logprobs.text_offset.append(offset)
             if top is None or logprob is None:
                 logprobs.top_logprobs.append(None)
             else:  # the alternatives and, as OpenAI's legacy API does, the chosen token
-                alternatives = {self._texts.name(i): value for i, value in top}
+                alternatives = {texts.name(i): value for i, value in top}
                 alternatives.setdefault(token, logprob)
                 logprobs.top_logprobs.append(alternatives)
         return logprobs
@@ -135,6 +168,7 @@ class ChatFormat:
 
     def chunk(
         self,
+        index: int,  # always 0: a chat request has one choice
         delta: str,
         finish_reason: str | None,
         logprobs: list[TokenLogprob],
@@ -145,19 +179,18 @@ class ChatFormat:
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
 
-    def response(
-        self,
-        output: RequestOutput,
-        usage: r.Usage,
-        logprobs: list[TokenLogprob],
-        prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
-    ) -> BaseModel:
-        message = r.AssistantMessage(content=output.text)
-        choice = r.ChatChoice(
-            message=message, finish_reason=output.finish_reason, logprobs=self._logprobs(logprobs)
-        )
+    def response(self, outputs: list[ChoiceOutput], usage: r.Usage) -> BaseModel:
+        choices = [
+            r.ChatChoice(
+                index=i,
+                message=r.AssistantMessage(content=o.output.text),
+                finish_reason=o.output.finish_reason,
+                logprobs=self._logprobs(o.logprobs),
+            )
+            for i, o in enumerate(outputs)
+        ]
         return r.ChatCompletionResponse(
-            id=self.request_id, model=self.model, choices=[choice], usage=usage
+            id=self.request_id, model=self.model, choices=choices, usage=usage
         )
 
     def _chunk(

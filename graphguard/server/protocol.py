@@ -1,7 +1,8 @@
 """OpenAI-shaped request bodies (the responses are in graphguard.server.responses).
 
 Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
-infinities are refused at parse time, sampling values are range-checked, and `n` must be 1.
+infinities are refused at parse time, sampling values are range-checked, and `n` must be 1
+(a completions request gets several choices by sending several prompts).
 Types are strict where the OpenAI API's are: integers and booleans must be JSON integers and
 booleans (`max_tokens: true` and `stream: "yes"` are refused), numbers may be integers or
 floats; text must be valid Unicode (no lone UTF-16 surrogates, which JSON escapes can carry).
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -32,6 +34,11 @@ MAX_STOP_SEQUENCES = 4  # the OpenAI limit
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
 MAX_COMPLETION_LOGPROBS = 5
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's seed is
+# Prompts one /v1/completions request may carry, each its own engine request and choice; room
+# for evaluation harnesses' batches (lm-eval's `batch_size`) without one request flooding the queue.
+MAX_PROMPTS_PER_REQUEST = 64
+
+Prompt = str | list[int]  # one completions prompt: text, or token ids
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -65,6 +72,46 @@ def _valid_texts(value: str | list[Any] | None) -> None:
     for text in [value] if isinstance(value, str) else value or []:
         if isinstance(text, str):
             valid_unicode(text)
+
+
+def _is_token_ids(value: Any) -> bool:
+    # NOTE: `type(t) is int`: JSON true and false arrive as bool, a subclass of int.
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+def completion_prompts(prompt: Any) -> list[Prompt]:
+    """The prompts a completions `prompt` holds, in order: text or a list of token ids is one
+    prompt, a list of texts or of token-id lists one per item. ValueError for an empty list or
+    prompt, a list that mixes the kinds, more than MAX_PROMPTS_PER_REQUEST prompts, or text
+    that is not valid Unicode. (Token ids are checked against the vocabulary by the handler.)"""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and (
+        all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt)
+    ):
+        prompts = prompt
+    else:
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists (integers), with no mixing of strings and token ids"
+        )
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise ValueError(
+            f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompts)}"
+        )
+    for index, one in enumerate(prompts):
+        _check_prompt(one, f"prompt {index}" if len(prompts) > 1 else "prompt")
+    return prompts
+
+
+def _check_prompt(prompt: Prompt, where: str) -> None:
+    if not prompt:
+        raise ValueError(f"{where} must not be empty")
+    if isinstance(prompt, str):
+        try:
+            valid_unicode(prompt)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 class _Body(BaseModel):
@@ -148,27 +195,16 @@ class _GenerationRequest(_Body):
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions. `prompt` is text, a one-element list of text, or token ids."""
+    """POST /v1/completions. `prompt` is what OpenAI accepts: text, token ids, or a list of
+    either (one choice each); validated, it is always the list of prompts."""
 
-    prompt: str | list[str] | list[StrictInt]
+    prompt: Annotated[list[Prompt], BeforeValidator(completion_prompts)]
     # The chosen token's log probability and this many alternatives per generated token.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # The prompt comes back before the completion (with its tokens' logprobs, if asked for).
     echo: StrictBool | None = None
     suffix: Any = None
     best_of: Any = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_non_empty_prompt(cls, prompt: str | list[str] | list[int]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            prompt = str(prompt[0])
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        _valid_texts(prompt)
-        return prompt  # type: ignore[return-value]  # a list here holds token ids
 
 
 class TextPart(_Body):
