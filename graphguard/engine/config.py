@@ -90,7 +90,9 @@ class GraphConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     manifest: str | None = None  # prewarm the decode graphs of this manifest at start
     warmup: bool = False  # capture every decode (batch, width) key at start, in budget
-    prefill: bool = True  # segmented prefill graphs next to decode graphs
+    # segmented prefill graphs next to decode graphs, and packed prefills padded to token
+    # buckets (so their keys recur) whether or not graphs run
+    prefill: bool = True
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())

@@ -111,8 +111,9 @@ class LLMEngine:
             decode_fn=self.graphs.decode_fn if self.graphs else self.forward.decode,
             prefill_fn=self.graphs.prefill_fn if self.graphs else self.forward.prefill,
             # NOTE: graphed prefill is keyed by its token count: pad it to a bucket, so keys
-            # recur; eager prefill gains nothing from padding.
-            prefill_bucket=prefill_token_bucket if self.graphs and self.graphs.prefill else None,
+            # recur. Padding follows the setting, not whether graphs could be built, so an
+            # engine computes the same tokens with graphs on, off or still being earned.
+            prefill_bucket=prefill_token_bucket if config.graphs.prefill else None,
         )
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
