@@ -7,10 +7,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import graphguard.core.entry as entry_module
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.keys import GraphKey
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from graphguard.segmented import Segment, SegmentedRunner, Stage, split_segments
+from graphguard.segmented.group import SegmentGroup
+from tests.unit.core.conftest import PerfCounter
 
 EAGER_FIRST = AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
 W = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
@@ -243,3 +247,59 @@ def test_an_eager_stage_raising_mid_capture_releases_the_partial_group(make):
     with pytest.raises(RuntimeError, match="eager stage failed"):
         runner([torch.ones(2)], Ctx())
     assert backend._pool_bytes == {} and runner.stats()["groups"] == 0
+
+
+def test_group_infos_describe_each_admitted_group_and_its_segments(make, monkeypatch):
+    monkeypatch.setattr(entry_module, "time", PerfCounter(step_s=0.0001234))
+    runner = make()
+    runner((x_of(5),), Ctx())
+    runner((x_of(5),), Ctx())
+    (group,) = runner.groups()
+    (info,) = runner.group_infos()
+    assert (info.key, info.state, info.verified) == (group.key.describe(), "admitted", "exact")
+    assert info.resident_bytes == group.resident_bytes > 0
+    assert info.replays == 2
+    assert info.capture_ms == 0.37  # three segments of 0.1234 ms each
+    assert [s.key for s in info.segments] == [e.key.describe() for e in group.entries]
+    assert {(s.state, s.verified) for s in info.segments} == {("admitted", "exact")}
+
+
+def test_retiring_a_group_twice_reports_false_the_second_time():
+    group = SegmentGroup(GraphKey(("k",)), SimBackend(), "segmented")
+    assert group.retire() is True
+    assert group.retire() is False
+
+
+def test_every_segment_graph_retains_the_runners_owners(make):
+    weights = torch.ones(8)  # stands for what the graphs read
+    runner = make(retain=[weights])
+    runner((x_of(5),), Ctx())
+    (group,) = runner.groups()
+    assert all(len(e.owners) == 1 and e.owners[0] is weights for e in group.entries)
+
+
+def test_a_group_exactly_the_size_of_the_budget_is_admitted(make):
+    probe = make()
+    probe((x_of(5),), Ctx())
+    runner = make(max_bytes=probe.stats()["resident_bytes"])
+    runner((x_of(5),), Ctx())
+    assert runner.stats()["groups"] == 1 and runner.stats()["fallbacks"] == {}
+
+
+def test_the_eager_tail_after_a_shape_change_sees_the_calls_context(make):
+    def grow(copies, x):
+        return (torch.cat([x] * copies),)
+
+    def scale(copies, x):
+        return (x * copies,)
+
+    stages = [
+        STAGES[0],
+        Stage("grow", grow, eager=True),
+        STAGES[3],
+        Stage("scale", scale, eager=True),
+    ]
+    runner = make(stages)
+    runner((x_of(5),), 1)
+    x = x_of(5, 1)
+    assert_bitwise(runner((x,), 2), runner.eager((x,), 2))

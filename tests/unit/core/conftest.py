@@ -61,3 +61,16 @@ def make_runner(clock: FakeClock) -> Callable[..., gg.GraphRunner]:
 def inputs(rows: int, width: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=g), torch.randn(rows, width, generator=g)
+
+
+class PerfCounter:
+    """Stands in for the `time` module of graphguard.core.entry: every perf_counter() reading
+    comes `step_s` after the last, so each capture takes exactly `step_s`."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.step_s
+        return self.now

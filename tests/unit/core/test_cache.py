@@ -1,9 +1,14 @@
+import logging
+
+import pytest
 import torch
 
 from graphguard.core.cache import GraphCache
 from graphguard.core.entry import GraphEntry
 from graphguard.core.keys import GraphKey
+from graphguard.core.reasons import EvictionCause
 from graphguard.core.sim import SimBackend
+from tests.unit.core.conftest import inputs
 
 SEG = 1024
 
@@ -58,3 +63,74 @@ def test_clear_retires_every_entry_and_reports_the_cause():
     assert cache.clear("close") == 2
     assert all(e.is_retired for e in entries) and causes == ["close", "close"]
     assert cache.resident_bytes == 0 and len(cache) == 0
+
+
+def test_a_negative_budget_is_refused():
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        GraphCache(max_bytes=-1)
+
+
+def test_an_entry_pinned_twice_stays_pinned_until_both_release():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=SEG)
+    a, b = entry_of("a", backend), entry_of("b", backend)
+    cache.admit(a)
+    first = cache.acquire(a.key)
+    cache.acquire(a.key)  # a second replay of the same graph, in flight on another thread
+    cache.release(first)
+    assert cache.admit(b) is False and not a.is_retired
+
+
+def test_a_reader_pinning_every_entry_leaves_a_replays_pin_in_place():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=SEG)
+    a, b = entry_of("a", backend), entry_of("b", backend)
+    cache.admit(a)
+    cache.acquire(a.key)  # a replay in flight
+    cache.release_all(cache.acquire_all())  # export reads every entry meanwhile
+    assert cache.admit(b) is False and not a.is_retired
+
+
+def test_mean_entry_bytes_is_rounded_down_to_whole_bytes():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=8 * SEG)
+    for name, numel in (("a", 256), ("b", 256), ("c", 512)):  # 1, 1 and 2 segments
+        cache.admit(entry_of(name, backend, numel))
+    assert cache.mean_entry_bytes() == 4 * SEG // 3
+
+
+def test_a_zero_budget_falls_back_over_budget_from_the_first_call(make_runner):
+    runner = make_runner(max_bytes=0)
+    runner(*inputs(2))
+    assert runner.stats()["fallbacks"] == {"over_budget": 1}
+
+
+def test_an_entry_evicted_for_room_is_reported_with_the_budget_cause():
+    backend = SimBackend(segment_bytes=SEG)
+    causes = []
+    cache = GraphCache(max_bytes=SEG, on_evict=lambda e, cause: causes.append(cause))
+    cache.admit(entry_of("a", backend))
+    cache.admit(entry_of("b", backend))
+    assert causes == [EvictionCause.BUDGET]
+
+
+def test_evict_reports_whether_the_key_was_admitted():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=SEG)
+    a = entry_of("a", backend)
+    cache.admit(a)
+    assert cache.evict(a.key, "reverify") is True
+    assert cache.evict(a.key, "reverify") is False
+
+
+def test_an_eviction_is_logged_with_its_key_bytes_cause_and_replays(caplog):
+    caplog.set_level(logging.INFO, logger="graphguard")
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=SEG)
+    a = entry_of("a", backend)
+    cache.admit(a)
+    a.replay()
+    cache.evict(a.key, "reverify")
+    assert caplog.messages == [
+        f"graphguard evict key={a.key.describe()} bytes={SEG} cause=reverify replays=1"
+    ]

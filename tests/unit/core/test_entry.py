@@ -4,6 +4,7 @@ import weakref
 import pytest
 import torch
 
+import graphguard.core.entry as entry_module
 from graphguard.core.entry import (
     EntryState,
     GraphEntry,
@@ -12,7 +13,8 @@ from graphguard.core.entry import (
     RetiredEntryError,
 )
 from graphguard.core.keys import GraphKey
-from graphguard.core.sim import SimBackend
+from graphguard.core.sim import CALLER_STREAM, SimBackend
+from tests.unit.core.conftest import PerfCounter
 
 
 class Owner:
@@ -167,3 +169,120 @@ def test_a_group_member_is_charged_only_its_growth_of_the_shared_pool():
     assert first.resident_bytes == 11264
     assert second.resident_bytes == pool - 11264 == 2048
     assert first.resident_bytes + second.resident_bytes == pool
+
+
+def test_an_entry_moves_from_new_to_captured_to_retired():
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    assert entry.state is EntryState.NEW
+    entry.capture(lambda t: t * 2, [torch.ones(4)])
+    assert entry.state is EntryState.CAPTURED
+    entry.retire()
+    assert entry.state is EntryState.RETIRED
+
+
+def test_an_entry_whose_capture_failed_refuses_replay():
+    from graphguard.core.backends import CaptureError
+
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    with pytest.raises(CaptureError):
+        entry.capture(lambda t: t * t.sum().item(), [torch.ones(2)])
+    with pytest.raises(RetiredEntryError, match="cannot replay"):
+        entry.replay()
+
+
+def test_a_retired_entry_refuses_new_owners():
+    entry = captured_entry()
+    entry.retire()
+    with pytest.raises(RetiredEntryError, match="retired graph"):
+        entry.retain(Owner())
+
+
+def test_the_owner_cycle_error_names_the_owners_type():
+    entry = captured_entry()
+    owner = Owner()
+    owner.graph_entry = entry
+    with pytest.raises(OwnerCycleError, match="^Owner refers back to graph"):
+        entry.retain(owner)
+
+
+def test_an_owner_closing_over_a_variable_not_yet_bound_is_retained():
+    entry = captured_entry()
+
+    def retain_before_binding():
+        def owner():
+            return value
+
+        entry.retain(owner)  # `value` is unbound here: the cell `owner` reads is empty
+        value = None
+        return owner
+
+    owner = retain_before_binding()
+    assert entry.owners == [owner]
+
+
+def test_a_pool_group_emptied_and_joined_again_charges_its_new_pool_from_zero():
+    backend = SimBackend(segment_bytes=1024)
+    group = PoolGroup("g")
+    first = GraphEntry(GraphKey(("a",)), backend, group)
+    first.capture(lambda t: t * 2, [torch.ones(1000)])
+    first.retire()  # the last member: the group's pool and stream are released
+    again = GraphEntry(GraphKey(("b",)), backend, group)
+    again.capture(lambda t: t * 2, [torch.ones(1000)])
+    assert again.resident_bytes == backend.pool_reserved_bytes(group.pool) > 0
+
+
+def test_static_inputs_are_allocated_in_the_entrys_own_pool_and_stream():
+    class Recording(SimBackend):
+        def __init__(self):
+            super().__init__()
+            self.allocations = []
+
+        def allocating(self, pool, stream):
+            self.allocations.append((pool, stream))
+            return super().allocating(pool, stream)
+
+    backend = Recording()
+    entry = GraphEntry(GraphKey(("k",)), backend)
+    with entry.allocating():
+        pass
+    assert backend.allocations == [(entry.pool, entry.stream)]
+
+
+def test_a_staging_buffer_is_a_host_tensor_whatever_the_inputs_device():
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    buffer = entry.add_staging(0, torch.empty(4, device="meta"))
+    assert buffer.device.type == "cpu"
+
+
+def test_host_bytes_add_up_every_staging_buffer():
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    entry.add_staging(0, torch.empty(4))
+    entry.add_staging(1, torch.empty(8))
+    assert entry.host_bytes == 48 == entry.info().host_bytes
+
+
+def test_refilling_staging_waits_for_the_last_staged_replay():
+    backend = SimBackend()
+    entry = captured_entry(backend)
+    entry.add_staging(0, entry.static_args[0])
+    entry.replay()
+    entry.wait_staging()
+    assert backend.waits == [(entry.event, CALLER_STREAM)]
+
+
+def test_staging_before_any_replay_waits_for_nothing():
+    backend = SimBackend()
+    entry = captured_entry(backend)
+    entry.add_staging(0, entry.static_args[0])
+    entry.wait_staging()
+    assert backend.waits == []
+
+
+def test_capture_ms_is_the_captures_wall_time_in_milliseconds(monkeypatch):
+    monkeypatch.setattr(entry_module, "time", PerfCounter(step_s=0.25))
+    assert captured_entry().capture_ms == 250.0
+
+
+def test_info_rounds_capture_ms_to_the_microsecond(monkeypatch):
+    monkeypatch.setattr(entry_module, "time", PerfCounter(step_s=0.0001234))
+    assert captured_entry().info().capture_ms == 0.123

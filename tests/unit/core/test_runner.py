@@ -343,3 +343,10 @@ def test_zero_windows_are_rejected():
         gg.AdmissionConfig(capture_window_s=0)
     with pytest.raises(ValueError, match="max_recaptures"):
         gg.AdmissionConfig(max_recaptures=0)
+
+
+def test_a_graph_admitted_without_a_parity_check_reports_parity_off(make_runner):
+    # docs/export.md: parity is the check the graph passed, `exact`, `allclose` or `off`
+    runner = make_runner(verify="off")
+    runner(*inputs(2))
+    assert [entry.verified for entry in runner.entries()] == ["off"]
