@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from graphguard.core.backends import Backend
 from graphguard.core.base import WarmupReport
 from graphguard.core.export import (
+    Exportable,
     ManifestError,
     ManifestSource,
     ManifestVersionError,
@@ -29,24 +29,17 @@ from graphguard.core.export import (
     read_manifest,
 )
 from graphguard.core.inputs import CallPlan
-from graphguard.core.keys import Buckets, GraphKey, TensorSpec
+from graphguard.core.keys import GraphKey, TensorSpec
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason, PrewarmOutcome, PrewarmRefusal, PrewarmSkip
 
 log = logging.getLogger("graphguard")
 
 
-class Prewarmable(Protocol):
-    """What prewarm uses of a runner (GraphRunner has it): its public surface only."""
+class Prewarmable(Exportable, Protocol):
+    """What prewarm uses of a runner (GraphRunner has it): what export reads, and planning,
+    warm-up and metrics; its public surface only."""
 
-    @property
-    def name(self) -> str: ...
-    @property
-    def backend(self) -> Backend | None: ...
-    @property
-    def buckets(self) -> Buckets | None: ...
-    @property
-    def max_bytes(self) -> int: ...
     @property
     def metrics(self) -> GraphMetrics: ...
     def plan(self, args: Sequence[Any]) -> CallPlan | FallbackReason: ...
