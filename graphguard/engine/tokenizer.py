@@ -87,6 +87,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can spell: the longest vocabulary piece (a byte-level
+        piece has one character per byte, at least as many as the text it decodes to)."""
+        return max(len(piece) for piece in self._tokenizer.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -46,6 +46,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         max_model_len=engine.max_model_len,
         vocab_size=engine.model_config.vocab_size,
         max_pool_tokens=engine.stats()["kv_blocks_total"] * engine.config.block_size,
+        max_token_chars=engine.tokenizer.max_token_chars,
     )
 
     @asynccontextmanager

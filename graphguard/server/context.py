@@ -25,6 +25,22 @@ class ServingContext:
     max_model_len: int
     vocab_size: int
     max_pool_tokens: int  # tokens the whole KV pool holds; one request can never exceed it
+    # No token spells more characters than this, so a text longer than max_model_len times it
+    # cannot fit the context: it is refused before the tokenizer reads it (tokenizing
+    # megabytes holds the interpreter for seconds).
+    max_token_chars: int
+
+    def check_length(self, texts: list[str], param: str) -> None:
+        """Refuse texts that cannot fit the context whatever they tokenize to, cheaply."""
+        num_chars = sum(len(text) for text in texts)
+        most = self.max_model_len * self.max_token_chars
+        if num_chars > most:
+            message = (
+                f"The {param} has {num_chars} characters; this model's maximum context length "
+                f"is {self.max_model_len} tokens, which no text of more than {most} characters "
+                "fits."
+            )
+            raise APIError(400, message, param=param, code="context_length_exceeded")
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

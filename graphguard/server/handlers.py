@@ -45,6 +45,8 @@ async def create_completion(
     if body.max_tokens == 0 and not body.echo:
         message = "max_tokens must be at least 1 (0 only with echo, to score the prompt)."
         raise APIError(400, message, param="max_tokens", code="invalid_value")
+    for prompt in body.prompt:  # before any tokenizer runs
+        ctx.check_length([prompt] if isinstance(prompt, str) else [], "prompt")
     prompt_ids = await _encode_prompts(ctx, body.prompt)
     params: list[SamplingParams] = []
     for index, ids in enumerate(prompt_ids):

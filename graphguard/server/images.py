@@ -52,6 +52,11 @@ async def _template_ids(
 ) -> list[int]:
     """The conversation rendered by the chat template, each image part as `image_text`."""
     messages = [m.as_template_dict(image_text) for m in body.messages]
+    # NOTE: cheap bounds before the tokenizer runs: every message costs at least one token
+    if len(messages) > ctx.max_model_len:
+        message = f"{len(messages)} messages cannot fit a context of {ctx.max_model_len} tokens."
+        raise APIError(400, message, param="messages", code="context_length_exceeded")
+    ctx.check_length([m["content"] for m in messages], "messages")
     try:
         return await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
     except Exception as exc:  # the template rejects some conversations (e.g. role order)

@@ -283,3 +283,30 @@ def test_an_error_quoting_a_lone_surrogate_still_renders() -> None:
         json.loads(bytes(response.body))["error"]["message"]
         == "The model '\\ud800' does not exist."
     )
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(
+    server: RunningServer, endpoint: str
+) -> None:
+    engine = server.engine
+    most = engine.max_model_len * engine.tokenizer.max_token_chars  # the bound the server uses
+    text = "a" * (most + 1)
+    body = (
+        _completion(prompt=text)
+        if endpoint == COMPLETIONS
+        else _chat(messages=[{"role": "user", "content": text}])
+    )
+    response = _post(server, endpoint, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert error["param"] == ("prompt" if endpoint == COMPLETIONS else "messages")
+
+
+def test_more_messages_than_the_context_has_tokens_are_refused(server: RunningServer) -> None:
+    many = [{"role": "user", "content": "hi"}] * (server.engine.max_model_len + 1)
+    response = _post(server, CHAT, _chat(messages=many))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "messages cannot fit" in error["message"]
