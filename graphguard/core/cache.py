@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from graphguard.core.entry import EntryState
@@ -73,16 +72,6 @@ class GraphCache(Generic[E]):
     def release(self, entry: E) -> None:
         with self.lock:
             entry.pin_count -= 1
-
-    @contextmanager
-    def pinned(self, key: GraphKey) -> Iterator[E | None]:
-        """acquire() and release() around a block."""
-        entry = self.acquire(key)
-        try:
-            yield entry
-        finally:
-            if entry is not None:
-                self.release(entry)
 
     def acquire_all(self) -> list[E]:
         """Every admitted entry, least recently used first, pinned until release_all()."""

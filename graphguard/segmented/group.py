@@ -43,7 +43,7 @@ class SegmentGroup:
         self.pool_group = PoolGroup(f"{name}:{key.describe()}")
         self.entries: list[GraphEntry] = []  # in pipeline order
         self.state = EntryState.NEW
-        self.pin_count = 0  # > 0 while a replay is in progress (GraphCache.pinned)
+        self.pin_count = 0  # > 0 while a replay is in progress (GraphCache.acquire)
         self.replays = 0
         self.verified = "pending"
 

@@ -25,8 +25,7 @@ def test_admit_evicts_least_recently_used_to_stay_within_budget():
     a, b, c, d = (entry_of(n, backend) for n in "abcd")
     for e in (a, b, c):
         assert cache.admit(e)
-    with cache.pinned(a.key):
-        pass  # touching a makes b the least recently used
+    cache.release(cache.acquire(a.key))  # touching a makes b the least recently used
     assert cache.admit(d)
     assert b.is_retired and not a.is_retired
     assert cache.resident_bytes == 3 * SEG
@@ -38,8 +37,9 @@ def test_eviction_skips_pinned_entries():
     a, b, c = (entry_of(n, backend) for n in "abc")
     cache.admit(a)
     cache.admit(b)
-    with cache.pinned(a.key):
-        assert cache.admit(c)
+    pinned = cache.acquire(a.key)
+    assert cache.admit(c)
+    cache.release(pinned)
     assert not a.is_retired and b.is_retired
 
 
