@@ -119,6 +119,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
         self._seed_rng = random.Random(config.seed)
+        # response_format grammars; llguidance is loaded by the first request that has one
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._is_shut_down = False
         self._num_steps = 0
         self._num_generated_tokens = 0
@@ -169,26 +171,50 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         images: list[torch.Tensor] | None = None,
+        *,
+        fork_of: str | None = None,
     ) -> None:
         """Queue a request; ValueError with the reason if it can never be served.
 
         ``images`` are pixel tensors ``[3, S, S]`` (graphguard.engine.images.load_image); the
         prompt must hold ``vision.num_tokens_per_image`` placeholder tokens for each.
+        ``fork_of`` names a request added before it, with the same prompt and not started
+        yet: this one shares its prefill and its images (another choice of an n > 1 request).
         """
         with self.lifecycle_lock:
             self._check_open()
             self._validate_request(request_id, prompt_token_ids, params)
+            parent = self._fork_parent(fork_of, prompt_token_ids, images)
             image_input = self._embed_images(prompt_token_ids, images) if images else None
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = make_generator(seed, self.device)
             seq = Sequence(request_id, prompt_token_ids, params, generator)
+            if params.response_format is not None:
+                seq.grammar = self.grammars.matcher(params.response_format)
             if image_input is not None:
                 seq.image_embeds, seq.image_positions = image_input
+            if parent is not None:
+                seq.image_embeds, seq.image_positions = parent.image_embeds, parent.image_positions
+                self.scheduler.add_fork(parent, seq)
+            else:
+                self.scheduler.add(seq)
             self._seqs[request_id] = seq
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop
             )
-            self.scheduler.add(seq)
+
+    def _fork_parent(
+        self, fork_of: str | None, prompt_token_ids: list[int], images: list[torch.Tensor] | None
+    ) -> Sequence | None:
+        if fork_of is None:
+            return None
+        parent = self._seqs.get(fork_of)
+        if parent is None or parent.prompt_token_ids != list(prompt_token_ids) or images:
+            raise ValueError(
+                f"fork_of {fork_of!r}: a fork needs a queued request with the same prompt "
+                "(and brings no images of its own)"
+            )
+        return parent
 
     def _validate_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -206,6 +232,8 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         params.validate()
+        if any(not t < vocab_size for t, _ in params.logit_bias):
+            raise InvalidParamError("logit_bias", f"logit_bias keys must be in [0, {vocab_size})")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         num_blocks = num_blocks_for(max_len, self.config.block_size)
         if num_blocks > self.num_usable_blocks:
@@ -249,12 +277,14 @@ class LLMEngine:
                 for seq in batch.seqs:
                     self.abort_request(seq.request_id)
                 raise
-            self.scheduler.advance(batch)
-            # Prefills that stop mid-prompt (chunked) get no token this step.
+            forks = self.scheduler.advance(batch)
+            # Prefills that stop mid-prompt (chunked) get no token this step; forks that start
+            # from a completed prefill sample from their parent's row.
             rows = [i for i, done in enumerate(batch.completes) if done]
-            seqs = [batch.seqs[i] for i in rows]
+            seqs = [batch.seqs[i] for i in rows] + [fork for _, fork in forks]
+            rows += [row for row, _ in forks]
             picked = self._sample_isolated(
-                logits[rows] if len(rows) < len(batch.seqs) else logits, seqs
+                logits if rows == list(range(len(batch.seqs))) else logits[rows], seqs
             )
             for seq, choice in zip(seqs, picked, strict=True):
                 if isinstance(choice, Exception):
@@ -292,8 +322,9 @@ class LLMEngine:
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Any]]:
         params = [s.params for s in seqs]
+        allowed = [None if s.grammar is None else s.grammar.allowed_tokens() for s in seqs]
         token_ids = sample(
-            logits, params, [s.generator for s in seqs], [s.output_token_ids for s in seqs]
+            logits, params, [s.generator for s in seqs], [s.output_token_ids for s in seqs], allowed
         )
         return token_ids, token_logprobs(logits, token_ids, [p.logprobs for p in params])
 
@@ -334,8 +365,8 @@ class LLMEngine:
             return "stop"
         detokenizer = self._detokenizers[seq.request_id]
         detokenizer.add_token(token_id)
-        if detokenizer.is_stopped:
-            return "stop"
+        if detokenizer.is_stopped or (seq.grammar is not None and seq.grammar.is_finished):
+            return "stop"  # a stop string, or the end of the response_format's document
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -409,6 +440,7 @@ class LLMEngine:
                 "kv_blocks_total": self.num_usable_blocks if is_open else 0,
                 "kv_bytes": self.kv.kv_bytes if is_open else 0,
                 "num_preemptions": self.scheduler.num_preemptions,
+                "num_prefilled_tokens": self.scheduler.num_prefilled_tokens,
                 "num_steps": self._num_steps,
                 "num_generated_tokens": self._num_generated_tokens,
                 "is_shut_down": self._is_shut_down,

@@ -15,6 +15,9 @@ class PagedKVStorage:
 
     Block ``DUMMY_BLOCK`` is reserved: it is never handed out, and padded decode rows write
     their (ignored) K/V into it, so a padded row never touches a block a real row reads.
+    A block may be held by several sequences at once (siblings sharing a prompt's full
+    blocks): each holder counts one reference, and the block is free again only when every
+    holder has freed it.
     """
 
     DUMMY_BLOCK = 0
@@ -46,7 +49,7 @@ class PagedKVStorage:
         ]
         # Low ids first: pop() from the end of a reversed list hands out 1, 2, 3, ...
         self._free: list[int] = list(range(num_blocks - 1, self.DUMMY_BLOCK, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # block in use -> number of holders (>= 1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -54,7 +57,7 @@ class PagedKVStorage:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self._used)
+        return len(self._refs)
 
     @property
     def kv_bytes(self) -> int:
@@ -71,16 +74,40 @@ class PagedKVStorage:
         if n > len(self._free):
             raise OutOfBlocksError(f"asked for {n} KV blocks, only {len(self._free)} free")
         blocks = [self._free.pop() for _ in range(n)]
-        self._used.update(blocks)
+        self._refs.update((block, 1) for block in blocks)
         return blocks
 
+    def share(self, blocks: list[int]) -> list[int]:
+        """One more holder for each of ``blocks`` (in use already); returns them."""
+        self._check_in_use(blocks)
+        for block in blocks:
+            self._refs[block] += 1
+        return list(blocks)
+
     def free(self, blocks: list[int]) -> None:
-        """Return blocks to the pool. Freeing a block that is not in use raises ValueError."""
-        unknown = [b for b in blocks if b not in self._used]
+        """Drop one holder of each block; a block with none left returns to the pool.
+        Freeing a block that is not in use (or one block twice in a call) raises ValueError."""
+        self._check_in_use(blocks)
+        for block in blocks:
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                del self._refs[block]
+                self._free.append(block)
+
+    def num_holders(self, block: int) -> int:
+        """Sequences holding ``block`` (0: free)."""
+        return self._refs.get(block, 0)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy the K/V of every layer from block ``src`` to block ``dst`` (both in use)."""
+        self._check_in_use([src, dst])
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst].copy_(cache[src])
+
+    def _check_in_use(self, blocks: list[int]) -> None:
+        unknown = [b for b in blocks if b not in self._refs]
         if unknown or len(set(blocks)) != len(blocks):
             raise ValueError(f"blocks not in use (or repeated): {sorted(set(unknown) or blocks)}")
-        self._used.difference_update(blocks)
-        self._free.extend(blocks)
 
     def release(self) -> None:
         """Drop the K/V tensors (shutdown). Idempotent; accounting is left as it was."""

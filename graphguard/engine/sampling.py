@@ -1,5 +1,5 @@
-"""Sampling parameters and the batched sampler (penalties, greedy, temperature, top-k, top-p,
-seeds)."""
+"""Sampling parameters and the batched sampler (logit bias, grammar masks, penalties, greedy,
+temperature, top-k, top-p, seeds)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from graphguard.engine.structured import InvalidParamError, ResponseFormat
+
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in the OpenAI API
 MAX_LOGPROBS = 20  # alternatives per token, the OpenAI chat limit
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as in the OpenAI API
+SEED_MASK = (1 << 64) - 1
+FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct choices of one seed get distinct seeds
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,10 @@ class SamplingParams:
     ``logprobs`` asks for each generated token's log probability and its ``logprobs`` most
     likely alternatives, from the model's distribution (before penalties and temperature);
     ``prompt_logprobs`` the same for each prompt token after the first (the prefill computes
-    them, and the request's first output carries them).
+    them, and the request's first output carries them). ``logit_bias`` adds its bias to its
+    token's logit before anything else (OpenAI semantics: -100 bans a token, 100 all but
+    forces it); ``response_format`` confines the output to a JSON grammar
+    (graphguard.engine.structured).
     """
 
     max_tokens: int = 16
@@ -42,6 +50,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k >= 0: the chosen token and the k most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
+    response_format: ResponseFormat | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot be honoured."""
@@ -84,6 +94,25 @@ class SamplingParams:
             raise ValueError(f"seed must fit a signed 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        self._validate_logit_bias()
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise InvalidParamError("response_format", "response_format must be a ResponseFormat")
+
+    def _validate_logit_bias(self) -> None:
+        token_ids = [token_id for token_id, _ in self.logit_bias]
+        if any(type(t) is not int or t < 0 for t in token_ids) or len(set(token_ids)) != len(
+            token_ids
+        ):
+            raise InvalidParamError("logit_bias", "logit_bias keys must be distinct token ids >= 0")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidParamError(
+                    "logit_bias",
+                    f"logit_bias of token {token_id} must be a number in "
+                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
+                )
 
     @property
     def has_penalties(self) -> bool:
@@ -128,6 +157,14 @@ def token_logprobs(
     return result
 
 
+def fork_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed` (n > 1): choice 0 keeps it,
+    so its answer is the n=1 answer; the others get distinct seeds derived from it, so a
+    seeded request repeats its choices exactly. Stays in the signed 64-bit range."""
+    derived = (seed + index * FORK_SEED_STRIDE) & SEED_MASK
+    return derived - (1 << 64) if derived >= 1 << 63 else derived
+
+
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A private generator for one request, so its draws do not depend on its neighbours."""
     generator = torch.Generator(device=device)
@@ -140,12 +177,18 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     output_token_ids: Sequence[Sequence[int]] | None = None,
+    allowed: Sequence[Tensor | None] | None = None,
 ) -> list[int]:
     """Pick one token per row. logits: [num_rows, vocab] float32, real rows only;
-    `output_token_ids`: each row's generated tokens so far (needed by penalties)."""
+    `output_token_ids`: each row's generated tokens so far (needed by penalties); `allowed`:
+    per row, None or a bool [vocab] mask of the only tokens it may pick (its grammar)."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("sample() needs exactly one params and one generator per logits row")
     logits = logits.float()
+    if any(p.logit_bias for p in params):
+        logits = _apply_logit_bias(logits, params)
+    if allowed is not None and any(mask is not None for mask in allowed):
+        logits = _apply_masks(logits, allowed)
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
     if penalized:
         if output_token_ids is None or len(output_token_ids) != len(params):
@@ -206,3 +249,27 @@ def _apply_penalties(
         penalty = params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0)
         logits[i] -= penalty
     return logits
+
+
+def _apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Add each row's biases to its logits (a copy; rows without a bias are untouched)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            index = torch.tensor(ids, device=logits.device)
+            values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, index, values)
+    return logits
+
+
+def _apply_masks(logits: Tensor, allowed: Sequence[Tensor | None]) -> Tensor:
+    """-inf for every token a row's mask forbids (a copy; rows without a mask are untouched).
+    A mask that allows nothing raises ValueError: that row has no token to give."""
+    rows = [i for i, mask in enumerate(allowed) if mask is not None]
+    masks = torch.stack([allowed[i] for i in rows]).to(logits.device)  # type: ignore[misc]
+    if not bool(masks.any(dim=-1).all()):
+        raise ValueError("the request's grammar allows no next token")
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~masks, -math.inf)
+    return logits.index_copy(0, index, masked)

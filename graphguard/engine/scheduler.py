@@ -8,15 +8,22 @@ one long prompt never makes a step longer than the budget. When a running sequen
 block and none is free, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue with its output kept, so a later
 prefill recomputes prompt + output so far.
+
+Choices of one request (n > 1) share one prefill: the siblings wait as ``forks`` of the first
+choice, are admitted with it (room for all of them, and a reserved block each for a copy of
+the prompt's partly filled last block), and start when its prefill completes: each holds the
+prompt's full blocks by reference (the pool counts holders) and its own copy of the last one.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Protocol
 
 from graphguard.engine.batch import PrefillChunk, ScheduledBatch
 from graphguard.engine.sequence import Sequence, SequenceStatus, num_blocks_for
+from graphguard.engine.structured import InvalidParamError
 
 
 class BlockPool(Protocol):
@@ -27,11 +34,18 @@ class BlockPool(Protocol):
     @property
     def num_free_blocks(self) -> int: ...
 
+    @property
+    def num_used_blocks(self) -> int: ...
+
     def can_allocate(self, n: int) -> bool: ...
 
     def allocate(self, n: int) -> list[int]: ...
 
     def free(self, blocks: list[int]) -> None: ...
+
+    def share(self, blocks: list[int]) -> list[int]: ...
+
+    def copy_block(self, src: int, dst: int) -> None: ...
 
 
 class Scheduler:
@@ -45,10 +59,42 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.num_prefilled_tokens = 0  # prompt (and recomputed) tokens run through prefill
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def add_fork(self, parent: Sequence, fork: Sequence) -> None:
+        """Queue `fork` (same prompt) to start from `parent`'s prompt KV once `parent`'s
+        prefill completes, instead of prefilling the prompt again. `parent` must be waiting
+        and not yet admitted; admission then takes room for both."""
+        if parent not in self.waiting or parent.num_output_tokens:
+            raise ValueError(f"request {parent.request_id!r} has started; it cannot be forked")
+        self._check_group_fits(parent, parent.group_size + 1)
+        fork.status = SequenceStatus.WAITING
+        parent.forks.append(fork)
+
+    def _check_group_fits(self, parent: Sequence, group_size: int) -> None:
+        if group_size > self.max_num_seqs:
+            raise InvalidParamError(
+                "n",
+                f"n={group_size} choices cannot run together: max_num_seqs is {self.max_num_seqs}",
+            )
+        num_blocks = num_blocks_for(parent.num_tokens, self.block_size)
+        num_blocks += (group_size - 1) if parent.num_tokens % self.block_size else 0
+        num_usable = self.kv.num_free_blocks + self.kv.num_used_blocks
+        if num_blocks > num_usable:
+            raise InvalidParamError(
+                "n",
+                f"n={group_size} choices of this prompt need {num_blocks} KV blocks to start "
+                f"together but the pool has {num_usable}",
+            )
+
+    @property
+    def num_running_slots(self) -> int:
+        """Running sequences, counting the forks that admitted prefills will start."""
+        return sum(seq.group_size for seq in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,11 +116,20 @@ class Scheduler:
             batch.prefills += [PrefillChunk.of(seq, chunk) for seq, chunk in self._admit(budget)]
         return batch
 
-    def advance(self, batch: ScheduledBatch) -> None:
-        """After the step ran: prefills that did not finish have their chunk's KV written."""
+    def advance(self, batch: ScheduledBatch) -> list[tuple[int, Sequence]]:
+        """After the step ran: prefills that did not finish have their chunk's KV written, and
+        the forks of sequences whose prompt is now cached start. Returns (row of the parent in
+        ``batch.seqs``, fork) for each fork started: its first token is sampled from its
+        parent's logits row, as the parent's is."""
+        self.num_prefilled_tokens += sum(batch.chunks)
         for chunk in batch.prefills:
             if not chunk.completes:
                 chunk.seq.num_cached_tokens += chunk.num_tokens
+        started: list[tuple[int, Sequence]] = []
+        for row, (seq, completes) in enumerate(zip(batch.seqs, batch.completes, strict=True)):
+            if completes and seq.forks:
+                started += [(row, fork) for fork in self._start_forks(seq)]
+        return started
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence and return its blocks to the pool."""
@@ -84,19 +139,59 @@ class Scheduler:
             self.running.remove(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a request wherever it is; its blocks are free when this returns."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    seq.finish("abort")
-                    self._release(seq)
-                    return seq
+        """Remove a request wherever it is; its blocks are free when this returns. A sequence
+        whose forks have not started yet hands them to the first of them, which takes its
+        place in the queue and prefills the prompt itself."""
+        for seq in self._unfinished():
+            if seq.request_id == request_id:
+                self._detach(seq)
+                seq.finish("abort")
+                return seq
         return None
 
     def abort_all(self) -> list[Sequence]:
-        ids = [seq.request_id for seq in (*self.running, *self.waiting)]
+        ids = [seq.request_id for seq in self._unfinished()]
         return [seq for seq in map(self.abort, ids) if seq is not None]
+
+    def _unfinished(self) -> Iterator[Sequence]:
+        for seq in (*self.running, *self.waiting):
+            yield seq
+            yield from seq.forks
+
+    def _detach(self, seq: Sequence) -> None:
+        """Take `seq` out of the queues, freeing its blocks and its forks' reservations."""
+        self._release(seq)
+        heir = _heir(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            if heir is not None:  # it was admitted: its heir goes first
+                self.waiting.appendleft(heir)
+        elif seq in self.waiting:
+            index = self.waiting.index(seq)
+            del self.waiting[index]
+            if heir is not None:
+                self.waiting.insert(index, heir)
+        else:  # a fork still waiting on its parent
+            parent = next(p for p in (*self.running, *self.waiting) if seq in p.forks)
+            parent.forks.remove(seq)
+
+    def _start_forks(self, parent: Sequence) -> list[Sequence]:
+        """Each fork holds the parent's full prompt blocks by reference and its reserved
+        block with a copy of the partly filled last one (written by the step just run)."""
+        forks, parent.forks = parent.forks, []
+        num_prompt = parent.num_tokens  # the parent's first token is not appended yet
+        num_full = num_prompt // self.block_size
+        for fork in forks:
+            reserved = fork.block_table
+            fork.block_table = self.kv.share(parent.block_table[:num_full]) + reserved
+            if reserved:
+                self.kv.copy_block(parent.block_table[num_full], reserved[0])
+            fork.num_cached_tokens = num_prompt
+            if parent.prompt_logprobs is not None:
+                fork.prompt_logprobs = list(parent.prompt_logprobs)
+            fork.status = SequenceStatus.RUNNING
+            self.running.append(fork)
+        return forks
 
     def _schedule_decodes(self) -> tuple[list[Sequence], bool]:
         scheduled: list[Sequence] = []
@@ -120,15 +215,20 @@ class Scheduler:
         """Waiting sequences that start their prefill this step, in order, with the tokens
         each runs, while `budget` tokens are left: the last one may get only a first chunk."""
         admitted: list[tuple[Sequence, int]] = []
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
-            if not self.kv.can_allocate(num_blocks):
+            num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+            if self.num_running_slots + seq.group_size > self.max_num_seqs:
+                break
+            if not self.kv.can_allocate(num_blocks + num_copies):
                 break  # FIFO: nobody overtakes the head of the queue
             chunk = min(seq.num_tokens, budget)
             budget -= chunk
             self.waiting.popleft()
             seq.block_table = self.kv.allocate(num_blocks)
+            for fork in seq.forks:  # a block each for its copy of the prompt's last block
+                fork.block_table = self.kv.allocate(1 if num_copies else 0)
             seq.num_cached_tokens = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -153,9 +253,22 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        if seq.block_table:
-            self.kv.free(seq.block_table)
-            seq.block_table = []
+        """Free `seq`'s blocks and the blocks reserved for its forks (which stay its forks)."""
+        for one in (seq, *seq.forks):
+            if one.block_table:
+                self.kv.free(one.block_table)
+                one.block_table = []
+
+
+def _heir(seq: Sequence) -> Sequence | None:
+    """The first of `seq`'s forks, now holding the others: it prefills the prompt in `seq`'s
+    stead when `seq` goes before its prefill completed. None without forks."""
+    if not seq.forks:
+        return None
+    heir, *others = seq.forks
+    seq.forks = []
+    heir.forks = others
+    return heir
 
 
 def _decodes_next(seq: Sequence) -> bool:

@@ -7,6 +7,7 @@ import enum
 import torch
 
 from graphguard.engine.sampling import SamplingParams, TokenLogprob
+from graphguard.engine.structured import TokenMatcher
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -25,6 +26,12 @@ class Sequence:
 
     Invariant: while RUNNING, the KV of the first ``num_cached_tokens`` tokens is written in
     ``block_table``; the last token (just sampled) is not yet cached and is the next query.
+
+    ``forks`` are siblings (choices of one request with n > 1) waiting on this sequence's
+    prefill: they hold no KV of their own until it completes, then each starts from its
+    prompt's KV (graphguard.engine.scheduler) and samples its first token from the same
+    logits. While this sequence is admitted, each fork's ``block_table`` holds the block
+    reserved for its copy of the prompt's partly filled last block (if there is one).
     """
 
     def __init__(
@@ -51,6 +58,8 @@ class Sequence:
         # the prefill chunk by chunk; handed out once, with the request's first output.
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_logprobs_sent = False
+        self.grammar: TokenMatcher | None = None  # params.response_format's place, if any
+        self.forks: list[Sequence] = []
 
     @property
     def token_ids(self) -> list[int]:
@@ -82,10 +91,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def group_size(self) -> int:
+        """Running slots this sequence takes once its forks have started: itself and them."""
+        return 1 + len(self.forks)
+
     def append_token(self, token_id: int) -> None:
-        """Record a sampled token; every earlier token now has its KV written."""
+        """Record a sampled token; every earlier token now has its KV written, and the
+        grammar (if any) has moved past it."""
         self.num_cached_tokens = self.num_tokens
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def finish(self, reason: str) -> None:
         self.status = SequenceStatus.FINISHED

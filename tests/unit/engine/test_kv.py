@@ -85,3 +85,30 @@ def test_release_drops_the_tensors_and_is_idempotent() -> None:
     kv.release()
     assert kv.kv_bytes == 0
     assert kv.k_cache == [] and kv.v_cache == []
+
+
+def test_a_shared_block_is_free_only_when_its_last_holder_frees_it() -> None:
+    kv = make_kv(num_blocks=8)
+    (block,) = kv.allocate(1)
+    kv.share([block])
+    kv.free([block])
+    assert kv.num_holders(block) == 1 and kv.num_free_blocks == 6
+    kv.free([block])
+    assert kv.num_holders(block) == 0 and kv.num_free_blocks == 7
+    with pytest.raises(ValueError):
+        kv.free([block])
+
+
+def test_only_a_block_in_use_can_be_shared() -> None:
+    kv = make_kv(num_blocks=8)
+    with pytest.raises(ValueError):
+        kv.share([3])
+
+
+def test_copy_block_copies_k_and_v_of_every_layer() -> None:
+    kv = make_kv(num_blocks=8)
+    src, dst = kv.allocate(2)
+    for cache in (*kv.k_cache, *kv.v_cache):
+        cache[src].normal_()
+    kv.copy_block(src, dst)
+    assert all(torch.equal(c[src], c[dst]) for c in (*kv.k_cache, *kv.v_cache))
