@@ -5,8 +5,10 @@ every call evicts one graph and captures another, and the runner becomes slower 
 policy decides *whether* to capture, not only what to evict:
 
 1. earned capture: a key is captured only once it has been seen `min_hits` times;
-2. capture-work budget: time spent capturing (warm-up, capture and parity check) stays under
-   `max_capture_fraction` of wall time over a sliding `capture_window_s`;
+2. capture-work budget: time spent capturing (warm-up, capture and parity check, whether the
+   graph is admitted or not, in the call or between calls) stays under `max_capture_fraction`
+   of wall time over a sliding `capture_window_s`; a capture between calls counts each unit of
+   work as it runs;
 3. frequency-aware replacement: a key that would evict resident graphs is captured only if it is
    used more often than each of them (count-min sketch with aging: TinyLFU);
 4. thrash backoff: a key evicted and recaptured `max_recaptures` times inside `thrash_window_s`
@@ -101,14 +103,23 @@ class AdmissionPolicy:
         self.sketch.add(key)  # the sightings min_hits counts, in fixed memory
 
     def record_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
-        now = self.clock()
-        self._captures.append((now, seconds))
+        """A capture of `seconds` that was admitted at `resident_bytes`."""
+        self.record_work(seconds)
+        self.record_admitted(key, resident_bytes)
+
+    def record_work(self, seconds: float) -> None:
+        """Capture work (a unit of it, or a whole capture), admitted or not: the price that the
+        capture-work budget counts."""
+        self._captures.append((self.clock(), seconds))
         self.counters.capture_seconds += seconds
+
+    def record_admitted(self, key: GraphKey, resident_bytes: int) -> None:
+        """A capture admitted at `resident_bytes` (its work is recorded apart, record_work)."""
         self.size_hints.pop(key, None)  # re-inserted last: the oldest hints go first
         self.size_hints[key] = resident_bytes
         while len(self.size_hints) > MAX_TRACKED_KEYS:
             del self.size_hints[next(iter(self.size_hints))]
-        self._note_recapture(key, now)
+        self._note_recapture(key, self.clock())
 
     def record_eviction(self, key: GraphKey) -> None:
         self._evicted_at.setdefault(key, deque()).append(self.clock())

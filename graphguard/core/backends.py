@@ -27,6 +27,7 @@ class Backend(Protocol):
 
     name: str
     device: torch.device
+    num_warmup: int  # warm-up runs before a capture (each one a unit of a sliced capture)
 
     def new_stream(self) -> Any: ...
     def release_stream(self, stream: Any) -> None: ...
@@ -34,6 +35,9 @@ class Backend(Protocol):
     def release_pool(self, pool: Any) -> None: ...
     def new_event(self) -> Any: ...
     def allocating(self, pool: Any, stream: Any) -> AbstractContextManager[None]: ...
+    def warm_up(
+        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+    ) -> None: ...
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
     ) -> tuple[Any, Any]: ...
@@ -127,21 +131,28 @@ class CudaBackend:
                 if not is_first:
                     torch._C._cuda_releasePool(self._index, pool)
 
-    def capture(
-        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
-    ) -> tuple[Any, Any]:
-        caller = torch.cuda.current_stream(self.device)
+    def warm_up(self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any) -> None:
+        """One warm-up run of `fn` on the entry's stream, allocating in its pool; a capture
+        comes after `num_warmup` of them (lazy initialisation done, blocks cached)."""
         with self.allocating(pool, stream):
             try:
-                for _ in range(self.num_warmup):  # warm-up on the entry's stream, in its pool
-                    fn(*args)
+                fn(*args)
                 stream.synchronize()
             except Exception as exc:
                 raise CaptureError(f"warm-up failed: {type(exc).__name__}: {exc}") from exc
+
+    def capture(
+        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+    ) -> tuple[Any, Any]:
+        """Capture `fn(*args)` on `stream` into `pool` (the warm-ups ran before, warm_up)."""
+        caller = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_stream(caller)
             # NOTE: the workspace bound to (handle, stream) was allocated by the warm-ups;
             # clearing it makes the capture allocate its own inside the pool, and clearing again
             # after it leaves no cached workspace pointing into the pool (docs/runtime.md).
+            # PyTorch's workspace cache is process-wide and unlocked: no other thread may be
+            # inside cuBLAS meanwhile (the engine captures on its step thread, between steps).
             _clear_blas_workspaces()
             try:
                 graph, outputs = self._capture_on(fn, args, pool, stream)

@@ -5,52 +5,40 @@ GraphRunner keys single graphs; SegmentedRunner keys groups of segment graphs. R
 the one flow of a call (gate, plan, then under the lock replay or capture, else exactly one
 FallbackReason), so one set of rules (deny by default, the admission policy, quarantine,
 metrics) serves both. A runner implements the flow's hooks: planning a call into a key,
-replaying an admitted entry, capturing and verifying a candidate, answering a call eagerly.
+replaying an admitted entry, capturing and verifying a candidate in bounded units of work,
+answering a call eagerly, and (for captures between calls) example inputs of a key.
+
+A capture runs in the call that earned it, or, with `background=True`, between calls: the
+call answers eagerly (`capture_in_progress`) and `advance_capture()` runs the capture one unit
+at a time (graphguard.core.background).
 
 Lock order: an engine's lifecycle lock, then the runner's lock, then its cache's lock.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 
 from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
 from graphguard.core.backends import Backend
-from graphguard.core.cache import GraphCache, Retirable
+from graphguard.core.cache import GraphCache
+from graphguard.core.capture_flow import C, CaptureFlow, CaptureMode, E
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics, RunnerCounts
-from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
+from graphguard.core.reasons import EvictionCause, FallbackReason
 from graphguard.core.switch import kill_switch_on, resolve_backend
 from graphguard.core.verify import VerifyConfig
 
 log = logging.getLogger("graphguard")
-
-# The reason a call falls back with when its capture ends in each rejected outcome.
-_REJECTED = {
-    CaptureOutcome.FAILED: FallbackReason.CAPTURE_FAILED,
-    CaptureOutcome.PARITY_MISMATCH: FallbackReason.PARITY_MISMATCH,
-    CaptureOutcome.OVER_BUDGET: FallbackReason.OVER_BUDGET,
-}
-
-E = TypeVar("E", bound=Retirable)  # what the runner's cache holds: an entry, or a group
-C = TypeVar("C")  # one call's arguments, as the runner's hooks read them
-
-
-class CaptureMode(enum.Enum):
-    """Why a key is captured, which decides how its graph may enter the cache."""
-
-    ON_CALL = "on_call"  # a call earned it: it may evict, and its first replay answers the call
-    WARMUP = "warmup"  # warm-up or prewarm: it takes free room only, and answers no call
 
 
 @dataclass
@@ -60,7 +48,7 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-class RunnerBase(ABC, Generic[E, C]):
+class RunnerBase(CaptureFlow[E, C]):
     """Shared state, flow and rules of graph runners (see module docstring)."""
 
     def __init__(
@@ -78,6 +66,7 @@ class RunnerBase(ABC, Generic[E, C]):
         metrics: GraphMetrics | None,
         clock: Clock,
         enabled: bool,
+        background: bool = False,
     ):
         self.name = name
         self.verify = verify
@@ -88,6 +77,7 @@ class RunnerBase(ABC, Generic[E, C]):
         self.copy_outputs = copy_outputs
         self.clock = clock
         self.enabled = enabled
+        self.background = background  # capture between calls (advance_capture), not in them
         self.metrics = metrics if metrics is not None else GraphMetrics()
         self.policy = AdmissionPolicy(admission or AdmissionConfig(), clock)
         self._cache: GraphCache[E] = GraphCache(max_bytes, on_evict=self._on_evict)
@@ -95,6 +85,9 @@ class RunnerBase(ABC, Generic[E, C]):
         self._lock = threading.RLock()
         self._closed = False
         self._counts = RunnerCounts(self.metrics)
+        self._job = None
+        self._num_units = 0
+        self._max_unit_s = 0.0
         self.metrics.budget_bytes.inc(max_bytes)
 
     # -- the flow of a call ----------------------------------------------------------------
@@ -126,47 +119,24 @@ class RunnerBase(ABC, Generic[E, C]):
                 return self._replay(entry, call, plan)
             finally:
                 self._cache.release(entry)
+        job = self._job
+        if job is not None and job.key == key:
+            return None, FallbackReason.CAPTURE_IN_PROGRESS
         reason = self._admission_reason(key)
         if reason is not None:
             return None, reason
-        return self._capture(call, plan, CaptureMode.ON_CALL)
+        if not self.background:
+            return self._capture(call, plan, CaptureMode.ON_CALL)
+        if job is not None:  # one capture between calls at a time
+            self.policy.counters.deferred += 1
+            return None, FallbackReason.ADMISSION_DEFERRED
+        self._job = self._new_job(key, lambda: self._example(key), CaptureMode.BACKGROUND)
+        self._sync_gauges()
+        return None, FallbackReason.CAPTURE_IN_PROGRESS
 
     def _fallback(self, call: C, reason: FallbackReason, out: Any) -> Any:
         self._counts.fallback(reason)
         return out if out is not None else self._eager(call)
-
-    def _capture(
-        self, call: C, plan: CallPlan, mode: CaptureMode
-    ) -> tuple[Any, FallbackReason | None]:
-        """Capture `plan.key` on `call`, check it against eager and admit it (see CaptureMode).
-
-        Returns (the call's answer, None), or (an eager answer or None, the reason it fell back).
-        """
-        key = plan.key
-        if mode is CaptureMode.ON_CALL:
-            # NOTE: the capture in flight reserves its expected bytes: eviction comes first, so
-            # the device never holds more than the budget while the candidate captures.
-            self._cache.make_room(self._expected_bytes(key))
-        started = self.clock()
-        candidate = self._new_candidate(key)
-        try:
-            outputs, eager, reason = self._capture_verified(candidate, call, plan)
-        except BaseException:
-            candidate.retire()  # whatever escapes, the candidate's stream and pool go back
-            raise
-        if reason is not None:
-            return eager, reason
-        self._count_capture(key, self.clock() - started, candidate.resident_bytes)
-        # NOTE: a warm-up capture never evicts: it must not displace graphs that calls earned.
-        size = candidate.resident_bytes
-        fits = mode is CaptureMode.ON_CALL or self._cache.victims_for(size) == []
-        if not (fits and self._cache.admit(candidate)):
-            return eager, self._reject(candidate, CaptureOutcome.OVER_BUDGET, None)
-        self._counts.capture(CaptureOutcome.ADMITTED)
-        if mode is CaptureMode.ON_CALL:
-            self._counts.replay()  # the verified first replay answers this call
-        self._sync_gauges()
-        return self._admitted(candidate, outputs, plan), None
 
     # -- hooks of the flow -----------------------------------------------------------------
     @abstractmethod
@@ -177,22 +147,6 @@ class RunnerBase(ABC, Generic[E, C]):
     def _replay(self, entry: E, call: C, plan: CallPlan) -> tuple[Any, FallbackReason | None]:
         """Replay a pinned admitted entry: (answer, None), or (an answer or None, reason) when
         the call counts as a fallback. Counts its replays (self._counts.replay())."""
-
-    @abstractmethod
-    def _new_candidate(self, key: GraphKey) -> E:
-        """An empty entry for `key`, owning its pool and stream until it retires."""
-
-    @abstractmethod
-    def _capture_verified(
-        self, candidate: E, call: C, plan: CallPlan
-    ) -> tuple[Any, Any, FallbackReason | None]:
-        """Capture `candidate` on `call` and compare its first replay with eager: (graph
-        outputs, eager outputs if they answer the call else None, None); or, the candidate
-        rejected (self._reject), (None, eager outputs or None, the reason)."""
-
-    @abstractmethod
-    def _admitted(self, candidate: E, outputs: Any, plan: CallPlan) -> Any:
-        """An admitted candidate's first outputs as the call's answer (and its log line)."""
 
     @abstractmethod
     def _eager(self, call: C) -> Any:
@@ -224,47 +178,7 @@ class RunnerBase(ABC, Generic[E, C]):
             return FallbackReason.ADMISSION_DEFERRED
         return None
 
-    def _expected_bytes(self, key: GraphKey) -> int:
-        """What a capture of `key` is expected to hold: its last size, else the mean entry's."""
-        hint = self.policy.size_hints.get(key)
-        return hint if hint is not None else self._cache.mean_entry_bytes()
-
     # -- bookkeeping -----------------------------------------------------------------------
-    def _count_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
-        """A verified capture about to be admitted: admission history and capture metrics."""
-        backoffs = self.policy.counters.thrash_backoffs
-        self.policy.record_capture(key, seconds, resident_bytes)
-        self.metrics.thrash_backoffs.inc(self.policy.counters.thrash_backoffs - backoffs)
-        self.metrics.capture_seconds.observe(seconds)
-
-    def _reject(
-        self, candidate: E, outcome: CaptureOutcome, error: Exception | None
-    ) -> FallbackReason:
-        """Retire a candidate that failed capture, parity or the budget; quarantine failures.
-        Returns the reason its call falls back with."""
-        candidate.retire()
-        assert self.backend is not None
-        self.backend.trim()
-        self._counts.capture(outcome)
-        if outcome is CaptureOutcome.OVER_BUDGET:
-            log.info(
-                "graphguard over_budget key=%s bytes=%d budget=%d runner=%s",
-                candidate.key.describe(), candidate.resident_bytes, self._cache.max_bytes,
-                self.name,
-            )  # fmt: skip
-        else:
-            self._quarantine(candidate.key, f"{outcome}: {error}")
-            if self.strict and error is not None:
-                raise error
-        return _REJECTED[outcome]
-
-    def _quarantine(self, key: GraphKey, why: str) -> None:
-        delay = self.policy.quarantine(key)
-        self._sync_gauges()
-        log.warning(
-            "graphguard quarantine key=%s backoff_s=%.1f why=%s", key.describe(), delay, why
-        )
-
     def _on_evict(self, entry: E, cause: EvictionCause) -> None:
         self._counts.eviction(cause)
         if cause is EvictionCause.BUDGET:
@@ -278,12 +192,16 @@ class RunnerBase(ABC, Generic[E, C]):
     def _sync_gauges(self) -> None:
         cache, policy = self._cache, self.policy
         graphs, host_bytes = self._num_graphs(), self._host_bytes()
-        self._counts.move_gauges(cache.resident_bytes, graphs, host_bytes, policy.num_quarantined())
+        self._counts.move_gauges(
+            cache.resident_bytes, graphs, host_bytes, policy.num_quarantined(), cache.reserved_bytes
+        )
 
     # -- lifecycle and introspection -------------------------------------------------------
     def invalidate(self, cause: EvictionCause | str = EvictionCause.INVALIDATE) -> int:
-        """Retire every graph (weights reloaded, say). Returns how many were retired."""
+        """Retire every graph (weights reloaded, say), and cancel the capture in flight.
+        Returns how many admitted graphs were retired."""
         with self._lock:
+            self._cancel_job()  # it ran on the old state: its graph must never be admitted
             count = self._cache.clear(cause)
             if self.backend is not None:
                 self.backend.trim()
@@ -334,6 +252,10 @@ class RunnerBase(ABC, Generic[E, C]):
             closed=self._closed,
             resident_bytes=self._cache.resident_bytes,
             max_bytes=self._cache.max_bytes,
+            reserved_bytes=self._cache.reserved_bytes,
+            capture_in_flight=job.key.describe() if (job := self._job) is not None else None,
+            background_units=self._num_units,
+            background_unit_max_ms=round(self._max_unit_s * 1e3, 3),
             host_bytes=self._host_bytes(),
             quarantined_keys=self.policy.num_quarantined(),
             hit_rate=round(stats["replays"] / (stats["calls"] or 1), 4),

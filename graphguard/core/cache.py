@@ -1,8 +1,9 @@
 """GraphCache: admitted graphs under a byte budget, least recently used first out.
 
-Invariant: after every operation the resident bytes of the admitted entries sum to at most
-`max_bytes`. Entries pinned (by an in-progress replay, or by a reader such as export) are never
-evicted. The cache holds Retirable units: a GraphEntry, or a SegmentGroup evicted whole.
+Invariant: after every operation the resident bytes of the admitted entries, plus the bytes
+reserved for captures in flight, sum to at most `max_bytes`. Entries pinned (by an in-progress
+replay, or by a reader such as export) are never evicted. The cache holds Retirable units: a
+GraphEntry, or a SegmentGroup evicted whole.
 
 Lock order (written here because this is where the lock lives): an engine's lifecycle lock,
 then the runner's replay lock, then this cache's lock. Code holding the cache lock never takes
@@ -56,6 +57,7 @@ class GraphCache(Generic[E]):
         self.lock = threading.RLock()
         self._entries: OrderedDict[GraphKey, E] = OrderedDict()
         self._resident_bytes = 0
+        self._reserved_bytes = 0  # held for captures in flight (reserve / unreserve)
         self._on_evict = on_evict
 
     # -- lookup ----------------------------------------------------------------------------
@@ -99,6 +101,11 @@ class GraphCache(Generic[E]):
         with self.lock:
             return self._resident_bytes
 
+    @property
+    def reserved_bytes(self) -> int:
+        with self.lock:
+            return self._reserved_bytes
+
     def entries(self) -> list[E]:
         with self.lock:
             return list(self._entries.values())
@@ -117,7 +124,7 @@ class GraphCache(Generic[E]):
         with self.lock:
             if num_bytes > self.max_bytes:
                 return None
-            free = self.max_bytes - self._resident_bytes
+            free = self.max_bytes - self._resident_bytes - self._reserved_bytes
             victims: list[E] = []
             for entry in self._entries.values():
                 if free >= num_bytes:
@@ -142,14 +149,27 @@ class GraphCache(Generic[E]):
             self._entries[entry.key] = entry
             self._resident_bytes += entry.resident_bytes
             entry.state = EntryState.ADMITTED
-            assert self._resident_bytes <= self.max_bytes
+            assert self._resident_bytes + self._reserved_bytes <= self.max_bytes
             return True
 
-    def make_room(self, num_bytes: int) -> None:
-        """Evict ahead of a capture whose size is known, so the candidate never overshoots."""
+    def reserve(self, num_bytes: int) -> bool:
+        """Hold `num_bytes` for a capture in flight, evicting LRU unpinned entries to make room,
+        so the device never holds more than the budget while it runs. False (nothing evicted,
+        nothing held) when they cannot fit."""
         with self.lock:
-            for victim in self.victims_for(num_bytes) or []:
+            victims = self.victims_for(num_bytes)
+            if victims is None:
+                return False
+            for victim in victims:
                 self._remove(victim, EvictionCause.BUDGET)
+            self._reserved_bytes += num_bytes
+            return True
+
+    def unreserve(self, num_bytes: int) -> None:
+        """Give back bytes a capture held (it was admitted, rejected or cancelled)."""
+        with self.lock:
+            assert 0 <= num_bytes <= self._reserved_bytes, "unreserve of bytes never reserved"
+            self._reserved_bytes -= num_bytes
 
     def evict(self, key: GraphKey, cause: EvictionCause | str) -> bool:
         """Evict one key if admitted, pinned or not (reverify and tests force it). True if

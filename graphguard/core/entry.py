@@ -149,14 +149,22 @@ class GraphEntry:
         return buffer
 
     # -- capture ---------------------------------------------------------------------------
+    def warm_up(self, fn: Callable[..., Any]) -> None:
+        """One warm-up run on the static inputs, in the pool, on the entry's stream (the
+        backend's `num_warmup` of them come before capture()); raises CaptureError."""
+        started = time.perf_counter()
+        self.backend.warm_up(fn, self.static_args, pool=self.pool, stream=self.stream)
+        self.capture_ms += (time.perf_counter() - started) * 1e3
+
     def capture(self, fn: Callable[..., Any], static_args: list[Any]) -> None:
-        """Capture `fn(*static_args)`; raises CaptureError (and leaves the entry to retire)."""
+        """Capture `fn(*static_args)` (after the warm-ups); raises CaptureError (and leaves the
+        entry to retire). `capture_ms` is the warm-ups' time and the capture's."""
         self.static_args = static_args
         started = time.perf_counter()
         self.graph, self.static_outputs = self.backend.capture(
             fn, static_args, pool=self.pool, stream=self.stream
         )
-        self.capture_ms = (time.perf_counter() - started) * 1e3
+        self.capture_ms += (time.perf_counter() - started) * 1e3
         # NOTE: static inputs, warm-up blocks and the BLAS workspace all live in the pool, so
         # its reserved segments are the whole device charge; a group member is charged the
         # growth since the group's previous capture.

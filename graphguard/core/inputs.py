@@ -82,6 +82,23 @@ def _spec(part: Any, padded: int | None = None) -> Any:
     return TensorSpec(tuple(shape), dtype, device)
 
 
+def padding_example(key: GraphKey, buckets: Buckets | None) -> tuple[Any, ...]:
+    """Arguments of `key` whose every row is padding: each tensor filled with the pad value of
+    its position (0 without buckets, or where Buckets has none); constants as the key holds."""
+
+    def pad(position: int) -> float | int:
+        if buckets is None or not buckets.has_pad_for(position):
+            return 0
+        return buckets.pad_for(position)
+
+    return tuple(
+        torch.full(a.shape, pad(i), dtype=a.dtype, device=a.device)
+        if isinstance(a, TensorSpec)
+        else a
+        for i, a in enumerate(key.args)
+    )
+
+
 def make_static_args(
     entry: GraphEntry, args: Sequence[Any], plan: CallPlan, buckets: Buckets | None
 ) -> list[Any]:

@@ -43,7 +43,8 @@ class GraphMetrics:
         )
         self.capture_seconds = Histogram(
             "graphguard_capture_seconds",
-            "Warm-up + capture + parity check time per graph",
+            "Warm-up + capture + parity check time per admitted graph (its units' time when "
+            "captured between calls)",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
@@ -58,6 +59,11 @@ class GraphMetrics:
         )
         self.budget_bytes = Gauge(
             "graphguard_graph_budget_bytes", "Sum of the runners' byte budgets", registry=r
+        )
+        self.reserved_bytes = Gauge(
+            "graphguard_graph_reserved_bytes",
+            "Device bytes held for captures in flight between calls",
+            registry=r,
         )
         self.entries = Gauge("graphguard_graph_entries", "Admitted graphs", registry=r)
         self.quarantined = Gauge(
@@ -91,6 +97,7 @@ class RunnerStats:
     captures: int = 0
     capture_failures: int = 0
     parity_mismatches: int = 0
+    captures_cancelled: int = 0
     evictions: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
@@ -108,7 +115,8 @@ class RunnerCounts:
         # NOTE: fallbacks are counted outside the runner's lock (eager work runs unlocked), so
         # the counts have a small lock of their own.
         self.lock = threading.Lock()
-        self._gauges = (0, 0, 0, 0)  # resident bytes, graphs, host bytes, quarantined keys
+        # resident bytes, graphs, host bytes, quarantined keys, reserved bytes
+        self._gauges = (0, 0, 0, 0, 0)
 
     def fallback(self, reason: FallbackReason) -> None:
         self.metrics.calls.inc()
@@ -133,6 +141,8 @@ class RunnerCounts:
                 self.stats.capture_failures += 1
             elif outcome is CaptureOutcome.PARITY_MISMATCH:
                 self.stats.parity_mismatches += 1
+            elif outcome is CaptureOutcome.CANCELLED:
+                self.stats.captures_cancelled += 1
 
     def drift(self) -> None:
         """A periodic re-verification found an admitted graph differing from eager."""
@@ -145,15 +155,21 @@ class RunnerCounts:
         self.metrics.evictions.labels(cause.value).inc()
 
     def move_gauges(
-        self, resident_bytes: int, graphs: int, host_bytes: int, quarantined: int
+        self,
+        resident_bytes: int,
+        graphs: int,
+        host_bytes: int,
+        quarantined: int,
+        reserved_bytes: int = 0,
     ) -> None:
         """Move the shared gauges by this runner's change since the last call."""
-        now = (resident_bytes, graphs, host_bytes, quarantined)
+        now = (resident_bytes, graphs, host_bytes, quarantined, reserved_bytes)
         last, self._gauges = self._gauges, now
         self.metrics.resident_bytes.inc(now[0] - last[0])
         self.metrics.entries.inc(now[1] - last[1])
         self.metrics.host_bytes.inc(now[2] - last[2])
         self.metrics.quarantined.inc(now[3] - last[3])
+        self.metrics.reserved_bytes.inc(now[4] - last[4])
 
     def snapshot(self) -> dict[str, Any]:
         """The stats as a dict; `calls` is derived from replays and fallbacks."""

@@ -16,8 +16,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from graphguard.core.base import WarmupReport
 from graphguard.core.export import (
     Exportable,
@@ -28,8 +26,8 @@ from graphguard.core.export import (
     key_from_json,
     read_manifest,
 )
-from graphguard.core.inputs import CallPlan
-from graphguard.core.keys import GraphKey, TensorSpec
+from graphguard.core.inputs import CallPlan, padding_example
+from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import FallbackReason, PrewarmOutcome, PrewarmRefusal, PrewarmSkip
 
@@ -151,7 +149,7 @@ def plan_examples(
         if problem is not None:
             skipped[name] = problem  # checked before anything is allocated for it
             continue
-        args = tuple(_example_arg(runner, i, a) for i, a in enumerate(key.args))
+        args = padding_example(key, runner.buckets)
         if device is not None:
             plan = runner.plan(args)
             if isinstance(plan, FallbackReason) or plan.key != key:
@@ -169,18 +167,6 @@ def _unbuildable(runner: Prewarmable, key: GraphKey) -> str | None:
     if key.input_bytes > runner.max_bytes:
         return f"{PrewarmSkip.OVER_BUDGET.value}: its inputs alone exceed the byte budget"
     return None
-
-
-def _example_arg(runner: Prewarmable, position: int, arg: Any) -> Any:
-    if not isinstance(arg, TensorSpec):
-        return arg
-    pad: float | int = 0
-    if runner.buckets is not None:
-        try:
-            pad = runner.buckets.pad_for(position)
-        except ValueError:
-            pad = 0
-    return torch.full(arg.shape, pad, dtype=arg.dtype, device=arg.device)
 
 
 def _refuse(runner: Prewarmable, source: str, refused: Refusal, started: float) -> PrewarmReport:

@@ -25,6 +25,7 @@ class FallbackReason(enum.StrEnum):
     PARITY_MISMATCH = "parity_mismatch"  # the graph's output differed from eager
     OVER_BUDGET = "over_budget"  # the graph alone does not fit the byte budget
     ADMISSION_DEFERRED = "admission_deferred"  # not seen often enough / capture work budget
+    CAPTURE_IN_PROGRESS = "capture_in_progress"  # its graph is being captured between calls
     THRASHING = "thrashing"  # evicted and recaptured too often; backing off
     NOT_PREWARMED = "not_prewarmed"  # mode="prewarmed" and this key was not warmed up
     CLOSED = "closed"  # the runner was closed
@@ -40,6 +41,7 @@ class CaptureOutcome(enum.StrEnum):
     FAILED = "failed"  # the capture (or a warm-up) raised; the key is quarantined
     PARITY_MISMATCH = "parity_mismatch"  # the first replay differed from eager; quarantined
     OVER_BUDGET = "over_budget"  # the graph alone does not fit the budget
+    CANCELLED = "cancelled"  # a capture between calls, stopped by invalidate, close or the switch
 
 
 class EvictionCause(enum.StrEnum):

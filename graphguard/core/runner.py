@@ -22,7 +22,9 @@ from tqdm.auto import tqdm
 
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
-from graphguard.core.base import CaptureMode, RunnerBase, WarmupReport
+from graphguard.core.background import CaptureUnits
+from graphguard.core.base import RunnerBase, WarmupReport
+from graphguard.core.capture_flow import CaptureMode, Verified
 from graphguard.core.entry import EntryInfo, GraphEntry
 from graphguard.core.export import ManifestSource, export_manifest
 from graphguard.core.inputs import (
@@ -31,6 +33,7 @@ from graphguard.core.inputs import (
     call_signature,
     copy_inputs,
     make_static_args,
+    padding_example,
     plan_call,
     slice_outputs,
 )
@@ -76,6 +79,11 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         retain: objects each graph keeps alive while it can replay (weights, KV storage).
         metrics: a GraphMetrics to report into (shared across runners), or a private one.
         clock: time source of every admission decision (tests inject a fake one).
+        background: capture between calls instead of in the call that earns a key: that call
+            and the key's next ones run eagerly (capture_in_progress) while whoever drives the
+            runner calls advance_capture() between calls, one bounded unit of work each time.
+        examples: inputs of a key for a capture between calls (`examples(key)` -> arguments);
+            default: every row padding (needs buckets).
     """
 
     def __init__(
@@ -99,7 +107,14 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         clock: Clock = time.monotonic,
         name: str = "graph",
         enabled: bool = True,
+        background: bool = False,
+        examples: Callable[[GraphKey], Sequence[Any]] | None = None,
     ):
+        if background and buckets is None and examples is None:
+            raise ValueError(
+                "background capture runs on example inputs: give buckets (all-padding rows) or "
+                "examples(key)"
+            )
         super().__init__(
             name=name,
             max_bytes=max_bytes,
@@ -113,8 +128,10 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
             metrics=metrics,
             clock=clock,
             enabled=enabled,
+            background=background,
         )
         self.fn = fn
+        self.examples = examples
         self.buckets = buckets
         self.stage_host_inputs = stage_host_inputs
         # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
@@ -148,6 +165,16 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
     def _eager(self, args: Args) -> Any:
         return self.fn(*args)
 
+    def _example(self, key: GraphKey) -> tuple[Args, CallPlan]:
+        if self.examples is not None:
+            args = tuple(self.examples(key))
+        else:
+            args = padding_example(key, self.buckets)
+        plan = self._plan(args)
+        if isinstance(plan, FallbackReason) or plan.key != key:
+            raise ValueError(f"example inputs of {key.describe()} do not map to that key")
+        return args, CallPlan(key, key.rows)  # every row counts: nothing is sliced off
+
     def _replay(
         self, entry: GraphEntry, args: Args, plan: CallPlan
     ) -> tuple[Any, FallbackReason | None]:
@@ -170,14 +197,20 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
 
     def _capture_verified(
         self, entry: GraphEntry, args: Args, plan: CallPlan
-    ) -> tuple[Any, None, FallbackReason | None]:
-        """Capture, replay once and compare with eager; a failure rejects the entry."""
+    ) -> CaptureUnits[Verified]:
+        """Capture, replay once and compare with eager; a failure rejects the entry. Units:
+        static inputs and the first warm-up, each further warm-up, the capture, the check."""
         try:
             for owner in self._owners:
                 entry.retain(owner)
-            entry.capture(self.fn, make_static_args(entry, args, plan, self.buckets))
+            static_args = make_static_args(entry, args, plan, self.buckets)
+            for _ in range(entry.backend.num_warmup):
+                entry.warm_up(self.fn)
+                yield
+            entry.capture(self.fn, static_args)
         except CaptureError as exc:
             return None, None, self._reject(entry, CaptureOutcome.FAILED, exc)
+        yield
         outputs = entry.replay()
         if self.verify.enabled:
             # NOTE: eager runs on the padded static inputs, so it does not answer the call.
@@ -188,7 +221,7 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         entry.verified = self.verify.mode  # the check it passed: "off" when none ran
         return outputs, None, None
 
-    def _admitted(self, entry: GraphEntry, outputs: Any, plan: CallPlan) -> Any:
+    def _admitted(self, entry: GraphEntry, outputs: Any, plan: CallPlan, mode: CaptureMode) -> Any:
         log.info(
             "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
             entry.key.describe(),
@@ -196,6 +229,8 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
             entry.capture_ms,
             self.name,
         )
+        if mode is not CaptureMode.ON_CALL:
+            return None
         return slice_outputs(outputs, plan, self.copy_outputs)
 
     # -- set-up paths ----------------------------------------------------------------------

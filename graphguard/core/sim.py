@@ -141,17 +141,22 @@ class SimBackend:
 
     It keeps what CudaBackend keeps: a pool per capture charged in whole segments (static inputs,
     the capture's peak of live bytes and, once per pool, a `workspace_bytes` block standing for
-    the cuBLAS workspace that a CUDA capture binds inside its pool); streams created and
+    the cuBLAS workspace that a CUDA capture binds inside its pool); `num_warmup` warm-up runs
+    before each capture (none by default: they only cost time on a CPU); streams created and
     destroyed (a stream released twice is an error); events recorded on a named stream; replays
     on the caller's stream (`current`, which tests may switch).
     """
 
     name = "sim"
 
-    def __init__(self, segment_bytes: int = SIM_SEGMENT_BYTES, workspace_bytes: int = 0):
+    def __init__(
+        self, segment_bytes: int = SIM_SEGMENT_BYTES, workspace_bytes: int = 0, num_warmup: int = 0
+    ):
         self.device = torch.device("cpu")
         self.segment_bytes = segment_bytes
         self.workspace_bytes = workspace_bytes
+        self.num_warmup = num_warmup  # CUDA warms up twice; the simulation needs none
+        self.num_warmups = 0
         self._ids = itertools.count(1)
         self._pool_bytes: dict[int, int] = {}
         self._pool_live: dict[int, int] = {}  # bytes in use inside each pool
@@ -191,6 +196,16 @@ class SimBackend:
         if stream not in self.live_streams:
             raise RuntimeError(f"allocation on {stream!r}, which is not live")
         yield
+
+    def warm_up(self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any) -> None:
+        if stream not in self.live_streams:
+            raise RuntimeError(f"warm-up on {stream!r}, which is not live")
+        try:
+            with torch.no_grad():
+                fn(*args)
+        except Exception as exc:
+            raise CaptureError(f"warm-up failed: {type(exc).__name__}: {exc}") from exc
+        self.num_warmups += 1
 
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any

@@ -9,7 +9,7 @@ and pinning apply to the group whole.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -122,8 +122,10 @@ def capture_group(
     context: Any,
     owners: Sequence[Any],
     max_bytes: int,
-) -> Carry:
-    """Capture each segment in order on the call's inputs, with the eager stages between.
+) -> Generator[None, None, Carry]:
+    """Capture each segment in order on the call's inputs, with the eager stages between,
+    yielding after each unit of work: a segment's static inputs and first warm-up (with the
+    eager stages before it), each further warm-up, its capture and first replay.
 
     Returns the output of the graphed path (each segment's first replay), for the parity check.
     Raises CaptureError, or GroupOverBudget as soon as the group alone exceeds `max_bytes`
@@ -137,10 +139,15 @@ def capture_group(
         for owner in owners:
             entry.retain(owner)
         plan = CallPlan(entry.key, None)
-        entry.capture(piece, make_static_args(entry, list(carry), plan, None))
+        static_args = make_static_args(entry, list(carry), plan, None)
+        for _ in range(entry.backend.num_warmup):
+            entry.warm_up(piece)
+            yield
+        entry.capture(piece, static_args)
         if group.resident_bytes > max_bytes:
             raise GroupOverBudget
         carry = tuple(entry.replay())
+        yield
     return carry
 
 

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
+from graphguard.core.background import CaptureUnits
 from graphguard.core.base import RunnerBase
+from graphguard.core.capture_flow import CaptureMode, Verified
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
@@ -58,6 +60,10 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
         retain: objects every segment graph keeps alive while it can replay.
         metrics: a GraphMetrics to report into (shared across runners), or a private one.
         clock: time source of every admission decision.
+        background: capture between calls (advance_capture), as for GraphRunner; needs
+            `examples`.
+        examples: `examples(key)` -> (input carry, context) of a key, for a capture between
+            calls: inputs whose eager stages write only state that no real call reads.
     """
 
     def __init__(
@@ -78,7 +84,11 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
         clock: Clock = time.monotonic,
         name: str = "segmented",
         enabled: bool = True,
+        background: bool = False,
+        examples: Callable[[GraphKey], Call] | None = None,
     ):
+        if background and examples is None:
+            raise ValueError("background capture runs on example inputs: give examples(key)")
         super().__init__(
             name=name,
             max_bytes=max_bytes,
@@ -92,7 +102,9 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
             metrics=metrics,
             clock=clock,
             enabled=enabled,
+            background=background,
         )
+        self.examples = examples
         self.pieces = split_segments(stages)
         self.num_segments = sum(isinstance(p, Segment) for p in self.pieces)
 
@@ -119,6 +131,13 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
     def _eager(self, call: Call) -> Carry:
         return run_eager(self.pieces, *call)
 
+    def _example(self, key: GraphKey) -> tuple[Call, CallPlan]:
+        assert self.examples is not None  # checked when built
+        carry, context = self.examples(key)
+        if carry_key(tuple(carry)) != key:
+            raise ValueError(f"example inputs of {key.describe()} do not map to that key")
+        return (tuple(carry), context), CallPlan(key, None)
+
     def _replay(
         self, group: SegmentGroup, call: Call, plan: CallPlan
     ) -> tuple[Carry | None, FallbackReason | None]:
@@ -141,12 +160,15 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
 
     def _capture_verified(
         self, group: SegmentGroup, call: Call, plan: CallPlan
-    ) -> tuple[Carry | None, Carry | None, FallbackReason | None]:
+    ) -> CaptureUnits[Verified]:
         """Capture every segment (eager stages between), then compare with the whole pipeline
-        run eagerly; that eager run answers the call if the group is not admitted."""
+        run eagerly (one more unit); that eager run answers the call if the group is not
+        admitted."""
         carry, context = call
         try:
-            out = capture_group(group, self.pieces, carry, context, self._owners, self.max_bytes)
+            out = yield from capture_group(
+                group, self.pieces, carry, context, self._owners, self.max_bytes
+            )
         except CaptureError as exc:
             return None, None, self._reject(group, CaptureOutcome.FAILED, exc)
         except GroupOverBudget:
@@ -160,9 +182,10 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
             return None, eager, self._reject(group, CaptureOutcome.PARITY_MISMATCH, error)
         return out, eager, None
 
-    def _admitted(self, group: SegmentGroup, out: Carry, plan: CallPlan) -> Carry:
+    def _admitted(
+        self, group: SegmentGroup, out: Carry, plan: CallPlan, mode: CaptureMode
+    ) -> Carry | None:
         group.mark_admitted(self.verify.mode if self.verify.enabled else "off")
-        group.replays += 1  # the verified first replay serves this call
         log.info(
             "graphguard capture group key=%s segments=%d bytes=%d ms=%.1f runner=%s",
             group.key.describe(),
@@ -171,6 +194,9 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
             group.capture_ms,
             self.name,
         )
+        if mode is not CaptureMode.ON_CALL:
+            return None
+        group.replays += 1  # the verified first replay serves this call
         return self._finish(out)
 
     # -- introspection ---------------------------------------------------------------------

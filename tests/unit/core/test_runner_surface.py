@@ -19,11 +19,13 @@ def test_resident_entries_are_pinned_until_the_block_ends(make_runner):
     runner(*inputs(2))
     runner(*inputs(4))
     with runner.resident() as entries:
-        runner._cache.make_room(runner.max_bytes)  # would evict every unpinned entry
+        # room for the whole budget would evict every unpinned entry
+        assert not runner._cache.reserve(runner.max_bytes)
         assert len(entries) == 2 and not any(entry.is_retired for entry in entries)
     assert [entry.pin_count for entry in entries] == [0, 0]
-    runner._cache.make_room(runner.max_bytes)
+    assert runner._cache.reserve(runner.max_bytes)
     assert all(entry.is_retired for entry in entries)
+    runner._cache.unreserve(runner.max_bytes)
 
 
 def test_calls_replay_on_other_threads_while_resident_entries_are_held(make_runner):
