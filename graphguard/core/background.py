@@ -68,12 +68,14 @@ class CaptureJob(Generic[R]):
         self,
         key: GraphKey,
         candidate: Any,
+        reservation: Reservation | None,
         units: CaptureUnits[R],
         clock: Callable[[], float],
         on_work: Callable[[float], None],
     ) -> None:
         self.key = key
         self.candidate = candidate  # the entry or group being captured (retired on any failure)
+        self.reservation = reservation  # the bytes it holds in the cache (None: at warm-up)
         self._units = units
         self._clock = clock
         self._on_work = on_work
@@ -101,8 +103,14 @@ class CaptureJob(Generic[R]):
         return self.result  # type: ignore[return-value]
 
     def cancel(self) -> None:
-        """Stop between units; the capture's cleanup retires the candidate and its bytes."""
+        """Stop between units: retire the candidate and give its bytes back.
+
+        NOTE: closing a generator that never ran skips its cleanup, so the job does both
+        itself (each is idempotent) rather than rely on the capture's own."""
         self._units.close()
+        self.candidate.retire()
+        if self.reservation is not None:
+            self.reservation.release()
         self.is_done = True
 
     def _count(self, seconds: float) -> None:

@@ -93,7 +93,7 @@ class CaptureFlow(ABC, Generic[E, C]):
             reservation.cover(self._expected_bytes(key))
         candidate = self._new_candidate(key)
         units = self._capture_units(candidate, inputs, mode, reservation)
-        return CaptureJob(key, candidate, units, self.clock, self.policy.record_work)
+        return CaptureJob(key, candidate, reservation, units, self.clock, self.policy.record_work)
 
     def _capture_units(
         self,

@@ -93,6 +93,9 @@ class GraphConfig:
     # segmented prefill graphs next to decode graphs, and packed prefills padded to token
     # buckets (so their keys recur) whether or not graphs run
     prefill: bool = True
+    # capture a key earned by traffic between steps, one bounded unit of work per step, while
+    # its steps run eagerly (capture_in_progress); False captures inside the step that earns it
+    background_capture: bool = True
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())
@@ -151,6 +154,7 @@ GRAPH_SETTINGS = {
     "graph_manifest": "manifest",
     "warmup_graphs": "warmup",
     "prefill_graphs": "prefill",
+    "background_capture": "background_capture",
 }
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.export import export_manifest
-from graphguard.core.keys import Buckets
+from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.prewarm import prewarm
 from graphguard.core.reasons import EvictionCause
@@ -53,6 +53,7 @@ class DecodeGraphs:
         admission: AdmissionConfig | None = None,
         verify: str = "exact",
         reverify_every: int = 0,
+        background: bool = False,
     ) -> None:
         self.metrics = metrics
         self.kv_bytes = forward.kv.kv_bytes
@@ -70,6 +71,9 @@ class DecodeGraphs:
             retain=(forward.kv, forward.model),
             metrics=metrics,
             name="decode",
+            # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
+            # values): it reads and writes only the dummy block, never a live sequence's KV.
+            background=background,
         )
 
     def __call__(
@@ -105,6 +109,14 @@ class DecodeGraphs:
         """Retire every graph (new weights): called before the weights change."""
         count = self.runner.invalidate(EvictionCause.INVALIDATE)
         log.info("graphguard decode graphs invalidated: %d retired", count)
+
+    def advance_capture(self) -> bool:
+        """One unit of the decode capture in flight between steps; True while one remains."""
+        return self.runner.advance_capture()
+
+    @property
+    def capture_in_flight(self) -> GraphKey | None:
+        return self.runner.capture_in_flight
 
     def close(self) -> None:
         self.runner.close()

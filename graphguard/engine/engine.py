@@ -261,9 +261,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: decode one token for the running requests, prefill the next
         chunk of the others (graphguard.engine.scheduler); only requests that decoded or
-        finished their prompt get a token."""
+        finished their prompt get a token. A graph capture in flight between steps advances
+        by one bounded unit first (graphguard/engine/graphs.py)."""
         with self.lifecycle_lock:
             self._check_open()
+            if self.graphs is not None:
+                # NOTE: on this thread, before the step: a capture never overlaps a step (its
+                # cuBLAS workspace clears must not race the step's matmuls), and no step
+                # waits for more than one unit of one.
+                self.graphs.advance_capture()
             outputs, self._pending = self._pending, []
             batch = self.scheduler.schedule()
             if batch.is_empty:
@@ -402,6 +408,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         with self.lifecycle_lock:
             return bool(self._seqs or self._pending)
+
+    def has_capture_in_flight(self) -> bool:
+        """Whether a graph capture waits for more steps: a loop with no request to step for
+        keeps calling step() while this holds, so that idle time finishes the capture."""
+        with self.lifecycle_lock:
+            return self.graphs is not None and self.graphs.has_capture_in_flight
 
     # -- what the server shows of the graphs (safe from any thread) --------------------------
     @property

@@ -6,6 +6,12 @@ reported from a closed set) and returns either an `EngineGraphs` or the reason g
 and gives the model runner the two step functions it calls. Nothing here patches the engine:
 the engine hands these functions to its ModelRunner when it builds it, and calls
 invalidate() / close() / stats() at reload, shutdown and for /v1/graphs.
+
+With `GraphConfig.background_capture` a key that traffic earns is captured between steps: the
+engine calls advance_capture() once per step, on its step thread, and that runs one bounded unit
+of work of the decode or the prefill capture in flight (taking turns), so no step waits for more
+than one unit and no capture overlaps a step (the cuBLAS workspace clears of a capture must not
+race a step's matmuls). Warm-up and prewarm at start still capture before the first request.
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class EngineGraphs:
             admission=config.admission,
             verify=config.verify,
             reverify_every=config.reverify_every,
+            background=config.background_capture,
         )
         self.prefill: PrefillGraphs | None = None
         if config.prefill:
@@ -98,8 +105,10 @@ class EngineGraphs:
                 metrics=self.metrics,
                 admission=config.prefill_admission,
                 verify=config.verify,
+                background=config.background_capture,
             )
         self._eager_prefill = forward.prefill
+        self._prefill_turn = False  # whose unit runs when both capture between steps
 
     @property
     def decode_fn(self) -> DecodeGraphs:
@@ -125,8 +134,29 @@ class EngineGraphs:
                 report.seconds,
             )
 
+    def advance_capture(self) -> bool:
+        """One unit of work of a capture in flight between steps (decode and prefill take
+        turns when both have one). Returns True while a capture remains in flight."""
+        graphs = self._graphs()
+        if self._prefill_turn:
+            graphs.reverse()
+        self._prefill_turn = not self._prefill_turn
+        for graph in graphs:
+            if graph.capture_in_flight is not None:
+                graph.advance_capture()
+                break
+        return self.has_capture_in_flight
+
+    @property
+    def has_capture_in_flight(self) -> bool:
+        return any(graph.capture_in_flight is not None for graph in self._graphs())
+
+    def _graphs(self) -> list[DecodeGraphs | PrefillGraphs]:
+        return [self.decode] if self.prefill is None else [self.decode, self.prefill]
+
     def invalidate(self) -> None:
-        """Retire every graph (new weights): called before the weights change."""
+        """Retire every graph (new weights) and cancel the captures in flight: called before
+        the weights change."""
         self.decode.invalidate()
         if self.prefill is not None:
             self.prefill.invalidate()

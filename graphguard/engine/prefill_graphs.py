@@ -4,6 +4,10 @@ The pipeline (graphguard/engine/forward.py) cuts the decoder around attention; a
 layers has L + 1 capturable segments, and one packed prefill shape (its token count) owns one
 group of them (graphguard.segmented). Built by graphguard/engine/graphs.py next to the decode
 graphs (same backend, same budget size); GRAPHGUARD_DISABLE=1 turns it off per call.
+
+A group captured between steps (background) runs on a dummy prefill of the key's token count:
+one fresh sequence whose K/V all go to the reserved dummy block (as the padding of a real
+prefill does), so it never writes a slot that a live sequence reads.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import EvictionCause
-from graphguard.engine.attention import AttentionMetadata
+from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.forward import (
     EagerForward,
     ImageSplice,
@@ -26,7 +31,8 @@ from graphguard.engine.forward import (
     prefill_inputs,
     prefill_stages,
 )
-from graphguard.segmented import SegmentedRunner
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.segmented import Carry, SegmentedRunner
 
 log = logging.getLogger("graphguard")
 
@@ -44,6 +50,7 @@ class PrefillGraphs:
         metrics: GraphMetrics,
         admission: AdmissionConfig | None = None,
         verify: str = "exact",
+        background: bool = False,
     ) -> None:
         self.model, self.kv = forward.model, forward.kv
         self.runner = SegmentedRunner(
@@ -56,6 +63,8 @@ class PrefillGraphs:
             retain=(forward.kv, forward.model),
             metrics=metrics,
             name="prefill",
+            background=background,
+            examples=self.dummy_prefill,
         )
 
     def __call__(
@@ -63,6 +72,41 @@ class PrefillGraphs:
     ) -> Tensor:
         inputs = prefill_inputs(self.model, ids, positions, splice)
         return self.runner(inputs, PrefillContext(meta, self.kv))[0]
+
+    def dummy_prefill(self, key: GraphKey) -> tuple[Carry, PrefillContext]:
+        """The pipeline's inputs for a prefill of `key`'s token count that writes only the
+        dummy block: one fresh sequence of token 0 (see module docstring)."""
+        num_tokens = key.args[0].shape[0]
+        device = self.model.embed_tokens.weight.device
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        dummy, block_size = PagedKVStorage.DUMMY_BLOCK, self.kv.block_size
+        width = -(-num_tokens // block_size)
+
+        def ints(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=dummy * block_size + positions % block_size,
+            block_tables=torch.full((1, width), dummy, dtype=torch.int32, device=device),
+            seq_lens=ints([num_tokens]),
+            query_start_loc=ints([0, num_tokens]),
+            seq_lens_cpu=[num_tokens],
+            query_lens_cpu=[num_tokens],
+            prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
+        )
+        carry = prefill_inputs(self.model, ids, positions, None)
+        return carry, PrefillContext(meta, self.kv)
+
+    def advance_capture(self) -> bool:
+        """One unit of the prefill group capture in flight between steps; True while one
+        remains."""
+        return self.runner.advance_capture()
+
+    @property
+    def capture_in_flight(self) -> GraphKey | None:
+        return self.runner.capture_in_flight
 
     def invalidate(self) -> None:
         """Retire every group (new weights): called before the weights change."""

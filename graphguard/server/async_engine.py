@@ -207,7 +207,8 @@ class AsyncEngine:
             self._drain_inbox()
             if self._is_stopping:
                 return
-            if self._engine.has_unfinished_requests():
+            # NOTE: a graph capture in flight advances one unit per step: idle steps finish it.
+            if self._engine.has_unfinished_requests() or self._engine.has_capture_in_flight():
                 self._step()
             else:
                 self._wakeup.wait()

@@ -160,6 +160,14 @@ FLAGS: dict[str, Flag] = {
         switch=True,
         no_=True,
     ),
+    "background_capture": Flag(
+        "engine",
+        "capture graphs inside the step that earns them (each capture delays that step's "
+        "requests) instead of between steps, one bounded unit of work per step, while the "
+        "key's steps run eagerly (capture_in_progress)",
+        switch=True,
+        no_=True,
+    ),
     "batch_buckets": Flag(
         "engine",
         "decode batch sizes that get a graph, comma separated; other sizes pad up, "

@@ -280,3 +280,13 @@ def test_the_reason_is_a_label_of_the_fallback_metric(make_bg):
     assert value == 1.0
     reserved = runner.metrics.registry.get_sample_value("graphguard_graph_reserved_bytes")
     assert reserved == runner.stats()["reserved_bytes"]
+
+
+def test_a_capture_cancelled_before_its_first_unit_gives_everything_back(make_bg, backend):
+    runner = make_bg(max_bytes=4 * SEG)
+    runner(*inputs(2))
+    drain(runner)
+    runner(*inputs(4))  # its capture holds bytes and a stream, and has run no unit yet
+    assert runner.stats()["reserved_bytes"] > 0 and len(backend.live_streams) == 2
+    runner.invalidate()
+    assert runner.stats()["reserved_bytes"] == 0 and not backend.live_streams

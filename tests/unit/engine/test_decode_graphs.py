@@ -41,6 +41,13 @@ def generate(engine, max_tokens=8, prompts=PROMPTS):
     return {rid: token_ids_of(outs) for rid, outs in outputs.items()}
 
 
+def settle(engine):
+    """Step until no graph capture is in flight between steps (captures advance one unit per
+    step; idle steps finish them, as the server's engine loop does)."""
+    while engine.has_capture_in_flight():
+        engine.step()
+
+
 def test_graphs_on_give_the_same_tokens_as_graphs_off(embedded_model):
     eager = make_engine(embedded_model, enforce_eager=True)
     graphs = make_engine(embedded_model, graph_backend="sim")
@@ -124,6 +131,7 @@ def test_reload_invalidates_graphs_before_the_new_weights_are_used(embedded_mode
     engine = make_engine(embedded_model, graph_backend="sim")
     try:
         generate(engine, max_tokens=4, prompts={"a": PROMPTS["a"]})
+        settle(engine)
         assert engine.graphs.stats()["entries"] > 0
         captured = engine.graphs.decode.runner._cache.entries()
         seen = []
@@ -142,7 +150,8 @@ def test_reload_invalidates_graphs_before_the_new_weights_are_used(embedded_mode
 
 
 def test_padded_rows_write_only_the_dummy_block(embedded_model):
-    engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(4,))
+    settings = {"graph_backend": "sim", "batch_buckets": (4,), "background_capture": False}
+    engine = make_engine(embedded_model, **settings)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=6)
         engine.add_request("b", engine.tokenizer.encode(PROMPTS["b"]), params)
@@ -170,6 +179,8 @@ def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
         assert isinstance(engine.graphs, EngineGraphs) and engine.graphs.prefill is None
         assert engine.runner.prefill_fn == engine.forward.prefill
         generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+        settle(engine)
+        generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
         assert engine.graphs.stats()["replays"] > 0
     finally:
         engine.shutdown()
@@ -184,6 +195,7 @@ def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
 def test_shutdown_releases_graphs(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim")
     generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+    settle(engine)
     graphs = engine.graphs
     assert graphs.stats()["entries"] > 0
     engine.shutdown()
@@ -237,6 +249,7 @@ def test_graph_stats_report_kv_bytes_next_to_graph_bytes(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim")
     try:
         generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
+        settle(engine)
         stats = engine.graphs.stats()
         assert stats["kv_bytes"] == engine.kv.kv_bytes and stats["resident_bytes"] > 0
         assert stats["graphs"][0]["verified"] == "exact"
@@ -253,6 +266,7 @@ def test_prefills_of_nearby_lengths_share_one_prefill_graph(embedded_model):
             assert generate(graphs, max_tokens=2, prompts=prompt) == generate(
                 eager, max_tokens=2, prompts=prompt
             )
+            settle(graphs)
         prefill = graphs.graphs.prefill.stats()
         assert prefill["groups"] == 1 and prefill["captures"] == 1, prefill
         assert prefill["replays"] >= 1  # the third prompt replayed the second one's graph
