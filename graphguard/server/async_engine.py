@@ -73,6 +73,9 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     images: list[Tensor] | None = None  # pixel tensors, one per image placeholder run
+    # Another choice of the request named here, added before it in the same call: it shares
+    # that one's prefill (LLMEngine.add_request's fork_of).
+    fork_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,8 +246,10 @@ class AsyncEngine:
         command.accepted.set_result(None)
 
     def _add_request(self, request: EngineRequest) -> None:
-        # Images only when present, so engines without image input keep working.
-        extra = {"images": request.images} if request.images else {}
+        # Images and forks only when present, so engines without them keep working.
+        extra: dict[str, Any] = {"images": request.images} if request.images else {}
+        if request.fork_of is not None:
+            extra["fork_of"] = request.fork_of
         self._engine.add_request(
             request.request_id, request.prompt_token_ids, request.params, **extra
         )

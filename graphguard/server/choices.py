@@ -31,11 +31,13 @@ DONE_EVENT = "data: [DONE]\n\n"
 @dataclass
 class Choice:
     """Choice `index` of a response: its engine request's stream, trace, and what it has
-    produced so far."""
+    produced so far. A choice that `shares_prompt` (a fork, n > 1) counts no prompt tokens:
+    its first sibling read the prompt for all of them, and usage counts a prompt once."""
 
     index: int
     stream: RequestStream
     trace: RequestTrace
+    shares_prompt: bool = False
     last: RequestOutput | None = None
     # Logprobs of tokens not yet answered: every one when collecting, those whose text a stream
     # still holds back (stop strings) when streaming.
@@ -44,10 +46,14 @@ class Choice:
 
     def __post_init__(self) -> None:
         # Counted from admission on: a request aborted before its first token read its prompt.
-        self.trace.num_prompt_tokens = self.stream.num_prompt_tokens
+        self.trace.num_prompt_tokens = self._own_prompt_tokens(self.stream.num_prompt_tokens)
+
+    def _own_prompt_tokens(self, num_prompt_tokens: int) -> int:
+        return 0 if self.shares_prompt else num_prompt_tokens
 
     def take(self, output: RequestOutput) -> None:
-        self.trace.on_output(output.num_prompt_tokens, output.num_output_tokens)
+        num_prompt = self._own_prompt_tokens(output.num_prompt_tokens)
+        self.trace.on_output(num_prompt, output.num_output_tokens)
         self.logprobs += output.logprobs or []
         self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
         self.last = output
@@ -158,7 +164,7 @@ def _release(ctx: ServingContext, choices: list[Choice]) -> None:
 
 
 def usage(choices: list[Choice]) -> r.Usage:
-    """Token counts summed over the choices."""
+    """Token counts summed over the choices, each prompt counted once."""
     num_prompt = sum(choice.trace.num_prompt_tokens for choice in choices)
     num_output = sum(choice.trace.num_output_tokens for choice in choices)
     return r.Usage(

@@ -4,7 +4,8 @@ carry (`TokenTexts`).
 
 Both formats have the same methods (`opening`, `chunk`, `usage_chunk`, `response`), so the
 handlers stream and collect outputs without knowing which endpoint they serve. A response may
-have several choices (one per completions prompt): `chunk` takes the choice's index.
+have several choices (`n` per prompt, and one prompt per completions prompt): `chunk` takes
+the choice's index.
 """
 
 from __future__ import annotations
@@ -157,24 +158,29 @@ def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
 class ChatFormat:
     """Shapes outputs as /v1/chat/completions objects."""
 
-    def __init__(self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False) -> None:
+    def __init__(
+        self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False, num_choices: int = 1
+    ) -> None:
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self.model = model
         self.tokenizer = tokenizer
         self.with_logprobs = with_logprobs
+        self.num_choices = num_choices  # n
 
     def opening(self) -> list[BaseModel]:
-        return [self._chunk(r.ChatDelta(role="assistant", content=""), None, [])]
+        """Each choice's first chunk: the assistant role, no content yet."""
+        role = r.ChatDelta(role="assistant", content="")
+        return [self._chunk(index, role, None, []) for index in range(self.num_choices)]
 
     def chunk(
         self,
-        index: int,  # always 0: a chat request has one choice
+        index: int,
         delta: str,
         finish_reason: str | None,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> BaseModel:
-        return self._chunk(r.ChatDelta(content=delta or None), finish_reason, logprobs)
+        return self._chunk(index, r.ChatDelta(content=delta or None), finish_reason, logprobs)
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
         return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
@@ -194,9 +200,14 @@ class ChatFormat:
         )
 
     def _chunk(
-        self, delta: r.ChatDelta, finish_reason: str | None, logprobs: list[TokenLogprob]
+        self,
+        index: int,
+        delta: r.ChatDelta,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob],
     ) -> r.ChatCompletionChunk:
         choice = r.ChatChunkChoice(
+            index=index,
             delta=delta,
             finish_reason=finish_reason,
             logprobs=self._logprobs(logprobs) if logprobs else None,

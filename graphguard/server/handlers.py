@@ -4,7 +4,9 @@ Completions and chat differ only in how prompts are tokenized and how outputs ar
 (`CompletionFormat` / `ChatFormat`, in graphguard.server.formatting); admission is shared, and
 so are collecting, streaming and disconnects (graphguard.server.choices). A completions request
 of several prompts gets one choice per prompt, each its own engine request, batched by the
-engine like any others; every prompt is checked before any reaches the engine.
+engine like any others; every prompt is checked before any reaches the engine. With `n` above
+1, each prompt gets n choices (index = prompt index * n + j): n engine requests of which the
+last n - 1 are forks of the first, sharing its prefill, each with its own seed.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from torch import Tensor
 
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.sampling import SamplingParams, fork_seed
+from graphguard.engine.structured import InvalidParamError, check_response_format
 from graphguard.engine.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import EngineClosedError, EngineRequest
@@ -40,11 +44,17 @@ async def create_completion(
     ctx: ServingContext, http_request: Request, body: p.CompletionRequest
 ) -> Response:
     """POST /v1/completions: one choice per prompt, in prompt order."""
-    traces = [RequestTrace() for _ in body.prompt]
+    traces = [RequestTrace() for _ in range(len(body.prompt) * body.n)]
     ctx.check_model(body.model)
     if body.max_tokens == 0 and not body.echo:
         message = "max_tokens must be at least 1 (0 only with echo, to score the prompt)."
         raise APIError(400, message, param="max_tokens", code="invalid_value")
+    if len(traces) > p.MAX_CHOICES_PER_REQUEST:
+        message = (
+            f"{len(body.prompt)} prompts times n={body.n} is {len(traces)} choices; at most "
+            f"{p.MAX_CHOICES_PER_REQUEST} fit one request."
+        )
+        raise APIError(400, message, param="n", code="invalid_value")
     for prompt in body.prompt:  # before any tokenizer runs
         ctx.check_length([prompt] if isinstance(prompt, str) else [], "prompt")
     prompt_ids = await _encode_prompts(ctx, body.prompt)
@@ -52,16 +62,57 @@ async def create_completion(
     for index, ids in enumerate(prompt_ids):
         with _naming_prompt(index, len(prompt_ids)):
             params.append(_completion_params(ctx, body, ids))
+    await _check_response_format(body)
     prompts = [
         CompletionPrompt(ids, _echo_text(ctx, prompt, ids) if body.echo else None)
         for prompt, ids in zip(body.prompt, prompt_ids, strict=True)
+        for _ in range(body.n)  # one per choice
     ]
     fmt = CompletionFormat(ctx.model_name, ctx.tokenizer, prompts, body.logprobs is not None)
     requests = [
-        EngineRequest(f"{fmt.request_id}-{index}", ids, prompt_params)
+        request
         for index, (ids, prompt_params) in enumerate(zip(prompt_ids, params, strict=True))
+        for request in choice_requests(fmt.request_id, index, body.n, ids, prompt_params)
     ]
     return await _generate(ctx, http_request, body, fmt, requests, traces)
+
+
+def choice_requests(
+    request_id: str,
+    prompt_index: int,
+    n: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    images: list[Tensor] | None = None,
+) -> list[EngineRequest]:
+    """The n engine requests of one prompt, choices prompt_index * n to prompt_index * n + n - 1:
+    the first prefills the prompt, the others are its forks (one prefill for all). With a
+    seed, choice j draws from fork_seed(seed, j): distinct choices, the same on every call."""
+    first = prompt_index * n
+    requests = [EngineRequest(f"{request_id}-{first}", prompt_ids, params, images)]
+    for j in range(1, n):
+        seed = None if params.seed is None else fork_seed(params.seed, j)
+        requests.append(
+            EngineRequest(
+                f"{request_id}-{first + j}",
+                prompt_ids,
+                replace(params, seed=seed),
+                fork_of=requests[0].request_id,
+            )
+        )
+    return requests
+
+
+async def _check_response_format(body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+    """A 400 naming `response_format` if its schema cannot be compiled (off the event loop:
+    a large schema takes a while)."""
+    response_format = body.engine_response_format
+    if response_format is None:
+        return
+    try:
+        await asyncio.to_thread(check_response_format, response_format)
+    except InvalidParamError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from exc
 
 
 def _completion_params(
@@ -101,14 +152,15 @@ async def create_chat_completion(
     ctx: ServingContext, http_request: Request, body: p.ChatCompletionRequest
 ) -> Response:
     """POST /v1/chat/completions."""
-    trace = RequestTrace()
+    traces = [RequestTrace() for _ in range(body.n)]
     ctx.check_model(body.model)
     prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
     max_tokens = body.requested_max_tokens
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
-    fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None)
-    request = EngineRequest(fmt.request_id, prompt_ids, params, images)
-    return await _generate(ctx, http_request, body, fmt, [request], [trace])
+    await _check_response_format(body)
+    fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None, body.n)
+    requests = choice_requests(fmt.request_id, 0, body.n, prompt_ids, params, images)
+    return await _generate(ctx, http_request, body, fmt, requests, traces)
 
 
 async def _encode_prompts(ctx: ServingContext, prompts: list[p.Prompt]) -> list[list[int]]:
@@ -152,11 +204,17 @@ def sampling_params(
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         logprobs=body.logprobs if isinstance(body, p.CompletionRequest) else body.num_logprobs,
+        logit_bias=body.logit_bias_pairs,
+        response_format=body.engine_response_format,
     )
     try:
         params.validate()
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
+        param = getattr(exc, "param", None)
+        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+    if any(token_id >= ctx.vocab_size for token_id, _ in params.logit_bias):
+        message = f"logit_bias keys must be token ids in [0, {ctx.vocab_size})."
+        raise APIError(400, message, param="logit_bias", code="invalid_value")
     return params
 
 
@@ -190,13 +248,16 @@ async def _generate(
     """Admit every choice's request (all or none), then answer them as one response."""
     try:
         streams = await ctx.engine.generate(requests)
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_request") from exc
+    except ValueError as exc:  # InvalidParamError names its parameter
+        param = getattr(exc, "param", None)
+        raise APIError(400, str(exc), param=param, code="invalid_request") from exc
     except EngineClosedError as exc:
         raise APIError(503, str(exc)) from exc
     choices = [
-        Choice(index, stream, trace)
-        for index, (stream, trace) in enumerate(zip(streams, traces, strict=True))
+        Choice(index, stream, trace, shares_prompt=request.fork_of is not None)
+        for index, (stream, trace, request) in enumerate(
+            zip(streams, traces, requests, strict=True)
+        )
     ]
     if body.stream:
         events = sse_events(ctx, choices, fmt, body.include_usage)

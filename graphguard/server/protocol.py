@@ -1,12 +1,12 @@
 """OpenAI-shaped request bodies (the responses are in graphguard.server.responses).
 
 Requests are validated here, so bad values become a 400 before they reach the engine: NaN and
-infinities are refused at parse time, sampling values are range-checked, and `n` must be 1
-(a completions request gets several choices by sending several prompts).
+infinities are refused at parse time, sampling values and `logit_bias` are range-checked, and
+`response_format` is one of OpenAI's shapes (its schema is compiled later, still a 400).
 Types are strict where the OpenAI API's are: integers and booleans must be JSON integers and
 booleans (`max_tokens: true` and `stream: "yes"` are refused), numbers may be integers or
 floats; text must be valid Unicode (no lone UTF-16 surrogates, which JSON escapes can carry).
-OpenAI fields this server does not implement (tools, logit_bias, response_format...)
+OpenAI fields this server does not implement (tools, functions, suffix...)
 are accepted at their "off" values, which clients often send, and refused with a 400 otherwise,
 so no answer silently lacks what was asked for. Other unknown fields are ignored.
 """
@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -29,6 +30,12 @@ from pydantic import (
 )
 
 from graphguard.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
+from graphguard.engine.structured import ResponseFormat
+from graphguard.server.constraints import (
+    ResponseFormatBody,
+    checked_logit_bias,
+    engine_response_format,
+)
 
 MAX_STOP_SEQUENCES = 4  # the OpenAI limit
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
@@ -37,17 +44,17 @@ MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as Op
 # Prompts one /v1/completions request may carry, each its own engine request and choice; room
 # for evaluation harnesses' batches (lm-eval's `batch_size`) without one request flooding the queue.
 MAX_PROMPTS_PER_REQUEST = 64
+# Choices one request may ask for: prompts times `n` (each choice is an engine request).
+MAX_CHOICES_PER_REQUEST = MAX_PROMPTS_PER_REQUEST
 
 Prompt = str | list[int]  # one completions prompt: text, or token ids
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logit_bias": ({},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "suffix": ("",),
     "best_of": (1,),
 }
@@ -131,7 +138,7 @@ class _GenerationRequest(_Body):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     seed: StrictInt | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
-    n: StrictInt = 1
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES_PER_REQUEST)
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -139,8 +146,8 @@ class _GenerationRequest(_Body):
     frequency_penalty: StrictFloat | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # Extension (as in vLLM): keep generating past end-of-sequence, for fixed-length benchmarks.
     ignore_eos: StrictBool = False
-    logit_bias: Any = None
-    response_format: Any = None
+    logit_bias: Annotated[dict[str, StrictFloat] | None, AfterValidator(checked_logit_bias)] = None
+    response_format: ResponseFormatBody | None = None
 
     @field_validator(*UNSUPPORTED_FIELDS, check_fields=False)
     @classmethod
@@ -165,13 +172,6 @@ class _GenerationRequest(_Body):
             raise ValueError(f"top_p {top_p!r} is 0 in float32 and would keep no token")
         return top_p
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got n={n}")
-        return n
-
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
@@ -193,6 +193,15 @@ class _GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as the engine takes it: (token id, bias) pairs."""
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
+
+    @property
+    def engine_response_format(self) -> ResponseFormat | None:
+        return engine_response_format(self.response_format)
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is what OpenAI accepts: text, token ids, or a list of

@@ -78,7 +78,9 @@ BAD_REQUESTS = [
         400,
         "top_p",
     ),
-    ("n_two", CHAT, _chat(n=2), 400, "n"),
+    ("n_above_the_cap", CHAT, _chat(n=65), 400, "n"),
+    ("n_above_max_num_seqs", CHAT, _chat(n=17), 400, "n"),
+    ("prompts_times_n_above_the_cap", COMPLETIONS, _completion(prompt=["a"] * 8, n=9), 400, "n"),
     ("n_zero", COMPLETIONS, _completion(n=0), 400, "n"),
     ("token_id_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 10**9]), 400, "prompt"),
     ("too_many_stops", COMPLETIONS, _completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
@@ -101,8 +103,11 @@ BAD_REQUESTS = [
     ("top_logprobs_above_20", CHAT, _chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("completion_logprobs_above_5", COMPLETIONS, _completion(logprobs=6), 400, "logprobs"),
     ("completion_logprobs_true", COMPLETIONS, _completion(logprobs=True), 400, "logprobs"),
+    ("logit_bias_above_100", COMPLETIONS, _completion(logit_bias={"42": 101}), 400, "logit_bias"),
+    ("logit_bias_not_a_token_id", CHAT, _chat(logit_bias={"x": 1}), 400, "logit_bias"),
+    ("logit_bias_past_the_vocab", CHAT, _chat(logit_bias={"49152": 1}), 400, "logit_bias"),
+    ("logit_bias_string_value", CHAT, _chat(logit_bias={"42": "5"}), 400, "logit_bias.42"),
     # Unimplemented OpenAI features are refused rather than silently missing from the answer.
-    ("logit_bias", COMPLETIONS, _completion(logit_bias={"42": 5}), 400, "logit_bias"),
     (
         "tools",
         CHAT,
@@ -112,12 +117,36 @@ BAD_REQUESTS = [
     ),  # fmt: skip
     ("tool_choice", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     (
-        "json_mode",
+        "response_format_unknown_type",
         CHAT,
-        _chat(response_format={"type": "json_object"}),
+        _chat(response_format={"type": "yaml"}),
         400,
         "response_format",
-    ),  # fmt: skip
+    ),
+    (
+        "response_format_bad_schema",
+        CHAT,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "tree"}},
+            }
+        ),
+        400,
+        "response_format",
+    ),
+    (
+        "response_format_dangling_ref",
+        COMPLETIONS,
+        _completion(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}},
+            }
+        ),
+        400,
+        "response_format",
+    ),
     ("suffix", COMPLETIONS, _completion(suffix="end"), 400, "suffix"),
     ("best_of", COMPLETIONS, _completion(best_of=3), 400, "best_of"),
     # Text that is not valid Unicode: JSON escapes can carry a lone UTF-16 surrogate, which the

@@ -77,7 +77,10 @@ def test_forks_share_the_full_blocks_and_copy_the_partly_filled_last_one() -> No
     full = parent.block_table[:2]
     for fork in forks:
         assert fork.block_table[:2] == full
-        assert fork.block_table[2] not in (last, *(f.block_table[2] for f in forks if f is not fork))
+        assert fork.block_table[2] not in (
+            last,
+            *(f.block_table[2] for f in forks if f is not fork),
+        )
         assert all(bool((c[fork.block_table[2]] == 3.0).all()) for c in kv.k_cache + kv.v_cache)
     assert [kv.num_holders(b) for b in full] == [3, 3]
 
