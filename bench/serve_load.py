@@ -1,5 +1,8 @@
 """Load test for `graphguard serve` over loopback: a fixed number of streaming requests at a
-fixed concurrency; reports requests/s, tokens/s, TTFT and TPOT percentiles, and writes JSON.
+fixed concurrency; reports requests/s, tokens/s, TTFT and TPOT percentiles and, with graphs on,
+what the decode and prefill graphs did during the load (captures, hit rate, fallbacks by reason,
+the longest unit of a capture between steps), and writes JSON (bench/serve_compare.py puts
+several runs side by side).
 
     python bench/serve_load.py                       # starts `graphguard serve` (embedded model)
     python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -39,6 +43,7 @@ PROMPTS = (
 
 @dataclass(frozen=True)
 class RequestResult:
+    sent_s: float  # when the request was sent, from the start of the load
     ttft_s: float  # request sent -> first generated text
     tpot_s: float | None  # mean gap between later tokens; None with one token
     latency_s: float
@@ -52,11 +57,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, index: int, max_tokens: int):
+def prompt_of(index: int, spread: int) -> str:
+    """Request `index`'s prompt: one of PROMPTS, with up to `spread` - 1 words more (spread > 0
+    varies the prompt lengths, so prefill shapes churn)."""
+    extra = (index * 7) % spread if spread > 0 else 0
+    return PROMPTS[index % len(PROMPTS)] + " Please" * extra
+
+
+async def one_request(
+    client: httpx.AsyncClient, model: str, index: int, args: argparse.Namespace, load_start: float
+) -> RequestResult:
     body = {
         "model": model,
-        "prompt": PROMPTS[index % len(PROMPTS)],
-        "max_tokens": max_tokens,
+        "prompt": prompt_of(index, args.prompt_spread),
+        "max_tokens": args.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
@@ -78,17 +92,18 @@ async def one_request(client: httpx.AsyncClient, model: str, index: int, max_tok
                 first = first or last
     assert first is not None and last is not None, "the stream produced no text"
     tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
-    return RequestResult(first - start, tpot, last - start, num_tokens)
+    return RequestResult(start - load_start, first - start, tpot, last - start, num_tokens)
 
 
 async def run_load(url: str, model: str, args: argparse.Namespace) -> list[RequestResult]:
     semaphore = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency)
+    load_start = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
 
         async def bounded(index: int) -> RequestResult:
             async with semaphore:
-                return await one_request(client, model, index, args.max_tokens)
+                return await one_request(client, model, index, args, load_start)
 
         return await asyncio.gather(*(bounded(i) for i in range(args.num_requests)))
 
@@ -128,6 +143,7 @@ def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, fl
     command += ["--model", args.model_path] if args.model_path else []
     command += ["--enforce-eager"] if args.enforce_eager else []
     command += ["--warmup-graphs"] if args.warmup_graphs else []
+    command += ["--no-background-capture"] if args.no_background_capture else []
     started = time.perf_counter()
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -161,12 +177,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--prompt-spread", type=int, default=0, help="vary prompt lengths by up to N-1 words"
+    )
     parser.add_argument("--device", default="auto", help="for the local server")
     parser.add_argument("--model-path", help="local server: a model folder or .gguf file")
     parser.add_argument("--enforce-eager", action="store_true", help="local server: no graphs")
     parser.add_argument(
         "--warmup-graphs", action="store_true", help="local server: capture decode graphs at start"
     )
+    parser.add_argument(
+        "--no-background-capture",
+        action="store_true",
+        help="local server: capture graphs inside the step that earns them",
+    )
+    parser.add_argument("--mode", help="a label for this run in the report (serve_compare.py)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="for the local server")
     parser.add_argument("--max-model-len", type=int, default=512, help="local server")
     parser.add_argument(
@@ -188,17 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         graphs_before = httpx.get(f"{url}/v1/graphs").json()
         start = time.perf_counter()
         results = asyncio.run(run_load(url, model, args))
-        summary = summarize(results, time.perf_counter() - start)
+        summary: dict[str, Any] = summarize(results, time.perf_counter() - start)
         graphs = httpx.get(f"{url}/v1/graphs").json()
     if graphs.get("enabled", True):
-        # Decode graphs captured while the load ran: the capture cost inside TTFT and TPOT.
-        summary["graph_captures"] = graphs["captures"] - graphs_before["captures"]
+        # What the graphs did while the load ran: captures, hit rate, fallbacks by reason.
+        summary.update(graphs_during_load("decode", graphs_before, graphs))
         summary["graphs_resident"] = graphs["entries"]
         if graphs.get("prefill") and graphs_before.get("prefill"):
-            before, after = graphs_before["prefill"], graphs["prefill"]
-            summary["prefill_graph_captures"] = after["captures"] - before["captures"]
+            summary.update(
+                graphs_during_load("prefill", graphs_before["prefill"], graphs["prefill"])
+            )
     report = {
         "benchmark": "serve_load",
+        "mode": args.mode or _default_mode(args),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "model": model,
         "summary": summary,
@@ -217,6 +244,37 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"model": model, "server_start_s": start_s, **summary}, indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def graphs_during_load(name: str, before: dict, after: dict) -> dict[str, Any]:
+    """One runner's counts over the load (the /v1/graphs stats after minus before)."""
+    calls = after["calls"] - before["calls"]
+    replays = after["replays"] - before["replays"]
+    fallbacks = {
+        reason: count - before["fallbacks"].get(reason, 0)
+        for reason, count in after["fallbacks"].items()
+        if count - before["fallbacks"].get(reason, 0)
+    }
+    return {
+        f"{name}_captures": after["captures"] - before["captures"],
+        f"{name}_captures_cancelled": after.get("captures_cancelled", 0)
+        - before.get("captures_cancelled", 0),
+        f"{name}_calls": calls,
+        f"{name}_hit_rate": round(replays / calls, 4) if calls else 0.0,
+        f"{name}_fallbacks": fallbacks,
+        # the longest unit of work a capture between steps added to one step (0: none ran)
+        f"{name}_capture_unit_max_ms": after.get("background_unit_max_ms", 0.0),
+    }
+
+
+def _default_mode(args: argparse.Namespace) -> str:
+    if args.url:
+        return "external"
+    if args.enforce_eager:
+        return "eager"
+    if args.warmup_graphs:
+        return "graphs-warm"
+    return "graphs-sync" if args.no_background_capture else "graphs"
 
 
 @contextmanager

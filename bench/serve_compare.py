@@ -1,0 +1,122 @@
+"""Put serve_load runs side by side: one row per mode, the targets of "no request waits for a
+capture" checked against the eager run, and a TTFT-over-time plot (PNG, when matplotlib is
+installed).
+
+    python bench/serve_compare.py bench-results/serve_load_gpu_*.json --png ttft_over_time.png
+
+A run's mode is the `mode` its report records (bench/serve_load.py --mode, else from its flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+COLUMNS = (
+    ("requests_per_s", "req/s"),
+    ("ttft_p50_ms", "TTFT p50"),
+    ("ttft_p99_ms", "TTFT p99"),
+    ("tpot_p50_ms", "TPOT p50"),
+    ("decode_captures", "dec capt"),
+    ("prefill_captures", "pre capt"),
+    ("decode_hit_rate", "dec hit"),
+    ("prefill_hit_rate", "pre hit"),
+    ("decode_capture_unit_max_ms", "dec unit ms"),
+    ("prefill_capture_unit_max_ms", "pre unit ms"),
+)
+
+
+def load(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """Reports by mode, in the order given."""
+    return {json.loads(p.read_text()).get("mode", p.stem): json.loads(p.read_text()) for p in paths}
+
+
+def table(runs: dict[str, dict[str, Any]]) -> str:
+    head = ["mode", *(label for _, label in COLUMNS), "eager graph calls by reason"]
+    rows = [head]
+    for mode, report in runs.items():
+        summary = report["summary"]
+        cells = [mode, *(_cell(summary.get(key)) for key, _ in COLUMNS)]
+        reasons: dict[str, int] = {}
+        for runner in ("decode", "prefill"):
+            for reason, count in summary.get(f"{runner}_fallbacks", {}).items():
+                reasons[reason] = reasons.get(reason, 0) + count
+        cells.append(", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) or "-")
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def targets(runs: dict[str, dict[str, Any]]) -> list[tuple[str, bool]]:
+    """The issue's targets, each checked where its runs are present."""
+    if "eager" not in runs:
+        return []
+    eager = runs["eager"]["summary"]
+    checks: list[tuple[str, bool]] = []
+    if "graphs" in runs:
+        lazy = runs["graphs"]["summary"]
+        checks += [
+            ("lazy TTFT p50 <= eager", lazy["ttft_p50_ms"] <= eager["ttft_p50_ms"]),
+            ("lazy TTFT p99 <= 1.1x eager", lazy["ttft_p99_ms"] <= 1.1 * eager["ttft_p99_ms"]),
+            ("lazy req/s >= 3x eager", lazy["requests_per_s"] >= 3 * eager["requests_per_s"]),
+        ]
+    if "graphs-warm" in runs:
+        warm = runs["graphs-warm"]
+        summary, background = warm["summary"], not warm["config"].get("no_background_capture")
+        checks += [
+            ("warm: every decode key captured at start", summary.get("decode_captures") == 0),
+            ("warm: prefill captured between steps, not in them", bool(background)),
+            ("warm TTFT p99 <= eager", summary["ttft_p99_ms"] <= eager["ttft_p99_ms"]),
+        ]
+    return checks
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def plot(runs: dict[str, dict[str, Any]], png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for mode, report in runs.items():
+        points = sorted((r["sent_s"], r["ttft_s"] * 1e3) for r in report["requests"])
+        ax.plot([p[0] for p in points], [p[1] for p in points], ".-", label=mode, alpha=0.8)
+    ax.set_xlabel("request sent (s after the load started)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Time to first token over the load, by mode")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("reports", nargs="+", type=Path, help="serve_load JSON reports")
+    parser.add_argument("--png", type=Path, help="write the TTFT-over-time plot here")
+    args = parser.parse_args(argv)
+    runs = load(args.reports)
+    print(table(runs))
+    for name, ok in targets(runs):
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    if args.png is not None:
+        print(f"wrote {args.png}" if plot(runs, args.png) else "no plot: matplotlib is missing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
