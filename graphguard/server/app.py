@@ -66,7 +66,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) -> None:
     """Outermost first when a request arrives: metrics (which count every refusal), the Host
     check, the API key, then the body limit, so no body is read for a refused caller."""
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s
+    )
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
     if config.allowed_host_names is not None:

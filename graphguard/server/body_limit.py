@@ -1,14 +1,19 @@
-"""`BodyLimitMiddleware`: refuse a request body over `--max-request-bytes` before it is parsed.
+"""`BodyLimitMiddleware`: refuse a request body over `--max-request-bytes` before it is parsed,
+or one that takes longer than `--body-timeout-s` to arrive.
 
 The declared Content-Length is checked first, so an oversized upload is refused before its
 first byte is read; a chunked body is counted as it arrives and refused as soon as it passes
-the limit, so at most the limit (plus the chunk that crossed it) is ever held.
+the limit, so at most the limit (plus the chunk that crossed it) is ever held. The deadline
+covers the whole body, so a client dribbling bytes cannot hold the connection (the headers'
+deadline is the HTTP protocol's: graphguard/server/timeouts.py).
 
 Not FastAPI's own `max_body_size`: that one answers with a plain-text 413 from outside the
 app's exception handlers (so neither in the OpenAI error shape nor counted by /metrics).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -49,12 +54,13 @@ def declared_length(scope: Scope) -> int | None:
 
 class BodyLimitMiddleware:
     """Reads each HTTP request's body before the app does, answering 413 to one larger than
-    `max_bytes`; the app then reads the body from memory, and later messages (a disconnect)
-    from the client as before."""
+    `max_bytes` and 408 to one not in after `timeout_s`; the app then reads the body from
+    memory, and later messages (a disconnect) from the client as before."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,20 +69,26 @@ class BodyLimitMiddleware:
         try:
             if (declared_length(scope) or 0) > self.max_bytes:
                 raise BodyTooLarge
-            body = await read_body(receive, self.max_bytes)
+            async with asyncio.timeout(self.timeout_s):
+                body = await read_body(receive, self.max_bytes)
         except BodyTooLarge:
-            await self._refuse(scope, receive, send)
+            message = f"The request body is larger than the limit of {self.max_bytes} bytes."
+            await _refuse(APIError(413, message, code="request_too_large"), scope, receive, send)
+            return
+        except TimeoutError:
+            message = f"The request body did not arrive within {self.timeout_s:g} s."
+            await _refuse(APIError(408, message, code="request_timeout"), scope, receive, send)
             return
         except ClientGone:
             return  # nobody is left to answer
         await self.app(scope, _replay(body, receive), send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"The request body is larger than the limit of {self.max_bytes} bytes."
-        response = error_response(APIError(413, message, code="request_too_large"))
-        # The rest of the body stays unread, so the connection cannot carry another request.
-        response.headers["connection"] = "close"
-        await response(scope, receive, send)
+
+async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = error_response(error)
+    # The rest of the body stays unread, so the connection cannot carry another request.
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -7,6 +7,7 @@ Its flags are the settings of `ServerConfig`, `EngineConfig` and `GraphConfig`
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -71,7 +72,9 @@ def describe_access(config: ServerConfig) -> str:
     key = "API key required" if config.api_key is not None else "no API key"
     allowed = config.allowed_host_names
     hosts = "any Host" if allowed is None else "Host in " + ", ".join(sorted(allowed))
-    return f"access: {key}, {hosts}, bodies up to {format_bytes(config.max_request_bytes)}"
+    bodies = f"bodies up to {format_bytes(config.max_request_bytes)}"
+    deadlines = f"headers in {config.header_timeout_s:g} s, bodies in {config.body_timeout_s:g} s"
+    return f"access: {key}, {hosts}, {bodies}; {deadlines}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,15 +110,25 @@ def main(argv: list[str] | None = None) -> int:
     return serve(app, config)
 
 
-def serve(app: Any, config: ServerConfig) -> int:
-    """Run `app` under uvicorn until SIGINT or SIGTERM; 0 after a clean shutdown."""
-    uv_config = uvicorn.Config(
+def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` under `config`: its HTTP protocol is h11 with a
+    deadline for request headers (graphguard/server/timeouts.py)."""
+    from graphguard.server.timeouts import HeaderTimeoutProtocol
+
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.header_timeout_s)
+    return uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
         log_level=config.log_level,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+        http=protocol,  # type: ignore[arg-type]  # uvicorn calls it as it calls a class
     )
+
+
+def serve(app: Any, config: ServerConfig) -> int:
+    """Run `app` under uvicorn until SIGINT or SIGTERM; 0 after a clean shutdown."""
+    uv_config = uvicorn_config(app, config)
     server = AbortingServer(uv_config, on_shutdown=app.state.serving.engine.abort_all)
     # NOTE: uvicorn re-raises the signal it caught once it has shut down, under the handlers
     # that were installed before it started. Installing no-op handlers here makes a clean

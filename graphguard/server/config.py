@@ -41,6 +41,10 @@ class ServerConfig:
     # Host header names accepted besides the loopback ones (see `allowed_host_names`).
     allowed_hosts: tuple[str, ...] = ()
     max_request_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
+    # Seconds a client may take to send a request's headers, then its body (a 408, or a close
+    # when nothing came): a slow sender cannot hold a connection open for ever (slowloris).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0  # the whole body: 4 MiB in a minute is 70 KB/s
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -50,6 +54,9 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     @property
     def allowed_host_names(self) -> frozenset[str] | None:

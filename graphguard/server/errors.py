@@ -23,6 +23,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",  # the client did not send its request in time
     413: "invalid_request_error",
     422: "invalid_request_error",
     503: "service_unavailable_error",

@@ -207,6 +207,20 @@ FLAGS: dict[str, Flag] = {
         metavar="SIZE",
         show=format_bytes,
     ),
+    "header_timeout_s": Flag(
+        "server",
+        "seconds a client may take to send a request's headers, from connecting or from the "
+        "first byte of a later request; then 408, or a close if nothing came (default: {default})",
+        type=float,
+        metavar="SECONDS",
+    ),
+    "body_timeout_s": Flag(
+        "server",
+        "seconds a client may take to send a request's whole body once its headers are in; "
+        "then 408 (default: {default})",
+        type=float,
+        metavar="SECONDS",
+    ),
 }
 
 # fields that are settings of the Python API only, and why

@@ -23,6 +23,7 @@ from graphguard.engine.config import EngineConfig  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.loader import LoadedModel  # noqa: E402
 from graphguard.server.app import build_app  # noqa: E402
+from graphguard.server.cli import uvicorn_config  # noqa: E402
 from graphguard.server.config import ServerConfig  # noqa: E402
 
 from .helpers import RunningServer, free_port  # noqa: E402
@@ -51,11 +52,10 @@ def serve(
 ) -> Iterator[RunningServer]:
     """Run `engine` behind uvicorn on a free loopback port until the generator is closed;
     `server_fields` are ServerConfig fields (api_key, max_request_bytes, ...)."""
+    server_fields.setdefault("log_level", "warning")
     config = ServerConfig(port=free_port(), engine=engine_config, **server_fields)
-    app = build_app(engine, config)
-    uv = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-    )
+    # The settings `graphguard serve` runs with (its HTTP protocol and deadlines included).
+    uv = uvicorn.Server(uvicorn_config(build_app(engine, config), config))
     thread = threading.Thread(target=uv.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -3,6 +3,7 @@ shuts down cleanly on SIGTERM, ending in-flight streams."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -14,9 +15,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from graphguard.server.cli import build_parser, config_from_args, main
+from graphguard.server.cli import build_parser, config_from_args, main, uvicorn_config
 from graphguard.server.config import API_KEY_ENV, ServerConfig
 from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
+from graphguard.server.timeouts import HeaderTimeoutProtocol
 
 from .helpers import MODEL, free_port, wait_for
 
@@ -163,3 +165,16 @@ def test_access_flags_reach_the_server_config():
     assert config.allowed_hosts == ("api.example", "gpu-box")
     assert config.max_request_bytes == 1 << 20
     assert ServerConfig().max_request_bytes == 4 << 20
+
+
+def test_deadline_flags_reach_the_server_config_and_uvicorn(capsys):
+    args = ["--header-timeout-s", "2.5", "--body-timeout-s", "30"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert (config.header_timeout_s, config.body_timeout_s) == (2.5, 30.0)
+    protocol = uvicorn_config(object(), config).http
+    assert isinstance(protocol, functools.partial)
+    assert protocol.func is HeaderTimeoutProtocol
+    assert protocol.keywords == {"header_timeout_s": 2.5}
+    with pytest.raises(SystemExit):
+        main(["--body-timeout-s", "0"])
+    assert "body_timeout_s must be positive" in capsys.readouterr().err
