@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,12 +23,14 @@ from graphguard.server.context import ServingContext
 from graphguard.server.errors import install_error_handlers
 from graphguard.server.handlers import create_chat_completion, create_completion
 from graphguard.server.metrics import ServerMetrics
+from graphguard.server.openapi import ServerAPI, error_responses, streamed
 from graphguard.server.security import APIKeyMiddleware, HostCheckMiddleware
 
 ENDPOINTS = frozenset(
     {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
 )
 MODEL_PATH_PREFIX = "/v1/models/"  # GET /v1/models/{model_id}, one metrics label for all ids
+GENERATION_ERRORS = error_responses(400, 404, 503)  # what the generation routes may answer
 
 router = APIRouter()
 
@@ -55,7 +57,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         yield
         await asyncio.to_thread(async_engine.shutdown)
 
-    app = FastAPI(title="graphguard", summary="OpenAI-compatible server", lifespan=lifespan)
+    app = ServerAPI(
+        config,
+        chunks=(r.ChatCompletionChunk,),  # a completions chunk is a CompletionResponse
+        title="graphguard",
+        summary="OpenAI-compatible server",
+        lifespan=lifespan,
+    )
     app.state.serving = serving
     install_error_handlers(app)
     _add_middleware(app, config, metrics)
@@ -84,7 +92,11 @@ def _serving(request: Request) -> ServingContext:
 Serving = Annotated[ServingContext, Depends(_serving)]
 
 
-@router.get("/health")
+@router.get(
+    "/health",
+    response_model=r.Health,
+    responses={503: {"model": r.Health, "description": "Shutting down"}},
+)
 async def health(ctx: Serving) -> JSONResponse:
     if not ctx.engine.is_running:
         return JSONResponse({"status": "unavailable"}, status_code=503)
@@ -96,7 +108,7 @@ async def list_models(ctx: Serving) -> r.ModelList:
     return r.ModelList(data=[_model_card(ctx)])
 
 
-@router.get(MODEL_PATH_PREFIX + "{model_id:path}")
+@router.get(MODEL_PATH_PREFIX + "{model_id:path}", responses=error_responses(404))
 async def retrieve_model(model_id: str, ctx: Serving) -> r.ModelCard:
     ctx.check_model(model_id)  # a 404 (model_not_found) for any other id
     return _model_card(ctx)
@@ -106,19 +118,27 @@ def _model_card(ctx: ServingContext) -> r.ModelCard:
     return r.ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=r.CompletionResponse,
+    responses={**streamed(r.CompletionResponse), **GENERATION_ERRORS},
+)
 async def completions(body: p.CompletionRequest, request: Request, ctx: Serving) -> Response:
     return await create_completion(ctx, request, body)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=r.ChatCompletionResponse,
+    responses={**streamed(r.ChatCompletionChunk), **GENERATION_ERRORS},
+)
 async def chat_completions(
     body: p.ChatCompletionRequest, request: Request, ctx: Serving
 ) -> Response:
     return await create_chat_completion(ctx, request, body)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format
 async def get_metrics(ctx: Serving) -> Response:
     ctx.metrics.observe_engine(ctx.engine.stats())
     # The graph registry's collectors take the graph cache's lock: keep that off the loop.
@@ -126,7 +146,7 @@ async def get_metrics(ctx: Serving) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/graphs")
+@router.get("/v1/graphs", response_model=r.GraphsReport)
 async def get_graphs(ctx: Serving) -> JSONResponse:
     # The decode graphs' stats with the prefill graphs' under "prefill", or why graphs are off.
     return JSONResponse(_jsonable(await ctx.engine.graphs_report()))

@@ -48,6 +48,13 @@ MAX_PROMPTS_PER_REQUEST = 64
 MAX_CHOICES_PER_REQUEST = MAX_PROMPTS_PER_REQUEST
 
 Prompt = str | list[int]  # one completions prompt: text, or token ids
+_Text = Annotated[str, Field(min_length=1)]
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+_Batch = Field(min_length=1, max_length=MAX_PROMPTS_PER_REQUEST)
+# What `prompt` accepts, as the OpenAPI document states it (`completion_prompts` checks it).
+PromptInput = (
+    _Text | _TokenIds | Annotated[list[_Text], _Batch] | Annotated[list[_TokenIds], _Batch]
+)
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -207,7 +214,9 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is what OpenAI accepts: text, token ids, or a list of
     either (one choice each); validated, it is always the list of prompts."""
 
-    prompt: Annotated[list[Prompt], BeforeValidator(completion_prompts)]
+    prompt: Annotated[
+        list[Prompt], BeforeValidator(completion_prompts, json_schema_input_type=PromptInput)
+    ]
     # The chosen token's log probability and this many alternatives per generated token.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     # The prompt comes back before the completion (with its tokens' logprobs, if asked for).

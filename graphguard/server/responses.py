@@ -1,12 +1,16 @@
 """OpenAI-shaped response bodies: completions, chat completions and their streamed chunks, usage,
-log probabilities, and the model list."""
+log probabilities, the model list, errors; and the server's own /health and /v1/graphs bodies.
+
+These are the response models of the OpenAPI document (graphguard/server/openapi.py), so a
+client or a fuzzer checking responses against it checks them against these.
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 def _now() -> int:
@@ -113,3 +117,31 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, not_found_error, ... (errors.py)
+    param: str | None  # the request field at fault, when there is one
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer, as OpenAI writes it."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]  # "unavailable" (503) while the server shuts down
+
+
+class GraphsReport(BaseModel):
+    """GET /v1/graphs: whether the engine's graphs are on and why; when on, the decode graphs'
+    stats (graphguard.core) with the prefill graphs' under `prefill`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    enabled: bool
+    reason: str
+    prefill: dict[str, Any] | None = None

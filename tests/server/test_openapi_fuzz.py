@@ -1,0 +1,120 @@
+"""Schemathesis over the server's own OpenAPI document: generated requests, valid ones and
+ones that break the document's request schemas, get no 5xx, and every response conforms to
+the document (its status is listed, its content type and body match the listed schema).
+
+Bounded for the suite: a few dozen examples per operation and mode, against a server whose
+context is small, with valid requests capped to a few generated tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+
+from graphguard.engine.config import EngineConfig
+from graphguard.engine.engine import LLMEngine
+
+from .conftest import engine_sharing_weights, serve
+from .helpers import MODEL, RunningServer
+
+API_KEY = "sk-fuzz-0123456789"
+# Room for a short prompt and a few generated tokens.
+FUZZ_ENGINE = EngineConfig(max_model_len=64, max_num_seqs=8, num_kv_blocks=32)
+# What one valid request may generate: choices (`n`) and tokens per choice.
+MAX_GENERATED_TOKENS = 4
+CAPS = {"n": 2, "max_tokens": MAX_GENERATED_TOKENS, "max_completion_tokens": MAX_GENERATED_TOKENS}
+# Per operation and mode: the whole run takes about half a minute. A longer hunt:
+# GRAPHGUARD_FUZZ_EXAMPLES=500 pytest tests/server/test_openapi_fuzz.py
+MAX_EXAMPLES = int(os.environ.get("GRAPHGUARD_FUZZ_EXAMPLES", "25"))
+OPERATIONS = [
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
+    ("GET", "/v1/graphs"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+]
+WITH_INPUT = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]  # negative mode
+CHECKS = {
+    "not_a_server_error": {},
+    "status_code_conformance": {},
+    "content_type_conformance": {},
+    "response_schema_conformance": {},
+    "response_headers_conformance": {},
+    "negative_data_rejection": {},
+    "ignored_auth": {},
+    # Valid by the document is not always accepted: an unknown model id is a 404, a prompt
+    # longer than the context a 400. The status and body of those answers are still checked.
+    "positive_data_acceptance": {"enabled": False},
+}
+
+
+@pytest.fixture(scope="module")
+def fuzzed(engine: LLMEngine) -> Iterator[RunningServer]:
+    yield from serve(engine_sharing_weights(engine, FUZZ_ENGINE), FUZZ_ENGINE, api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzzed: RunningServer) -> Any:
+    config = schemathesis.Config.from_dict(
+        {"headers": {"Authorization": f"Bearer {API_KEY}"}, "checks": CHECKS}
+    )
+    return schemathesis.openapi.from_url(f"{fuzzed.base_url}/openapi.json", config=config)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "mode"),
+    [(method, path, GenerationMode.POSITIVE) for method, path in OPERATIONS]
+    + [(method, path, GenerationMode.NEGATIVE) for method, path in WITH_INPUT],
+)
+def test_no_request_gets_a_5xx_and_every_response_is_as_documented(
+    api_schema: Any, method: str, path: str, mode: GenerationMode
+) -> None:
+    operation = api_schema[path][method]
+
+    @hypothesis.settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,  # the same examples on every run
+        suppress_health_check=list(hypothesis.HealthCheck),
+    )
+    @hypothesis.given(operation.as_strategy(generation_mode=mode))
+    def fuzz(case: Any) -> None:
+        _aim_at_the_engine(case, mode)
+        case.call_and_validate(timeout=60)
+
+    fuzz()
+
+
+def test_the_fuzz_covers_every_documented_operation(api_schema: Any) -> None:
+    documented = {
+        (method.upper(), path)
+        for path, operations in api_schema.raw_schema["paths"].items()
+        for method in operations
+    }
+    assert documented == set(OPERATIONS)
+
+
+def _aim_at_the_engine(case: Any, mode: GenerationMode) -> None:
+    """Aim a generation request at the served model, so that it gets past the model check to
+    the engine; in positive mode, also keep what it generates small. A string stays a string
+    and a valid count stays valid, so valid and invalid bodies stay so."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str):
+        body["model"] = MODEL
+    if mode is GenerationMode.POSITIVE:
+        if "max_tokens" not in body and "max_completion_tokens" not in body:
+            body["max_tokens"] = MAX_GENERATED_TOKENS
+        for name, cap in CAPS.items():
+            if type(body.get(name)) is int and body[name] > cap:
+                body[name] = cap
