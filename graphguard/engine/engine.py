@@ -34,6 +34,7 @@ from graphguard.engine.sampling import (
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
+from graphguard.kernels import select_kernels
 
 log = logging.getLogger("graphguard")
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
@@ -84,6 +85,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        # NOTE: chosen before any graph is built: graphs capture the kernels the model runs.
+        self.kernels = select_kernels(config.kernels, self.device, self.dtype)
+        self.model.use_kernels(self.kernels.kernels)
         self.kv = self._build_kv()
         self.scheduler = Scheduler(
             self.kv,
@@ -435,10 +439,10 @@ class LLMEngine:
         """The resident graphs as /v1/graphs shows them: decode stats with the prefill graphs'
         under "prefill", or {"enabled": False, "reason": ...}. Takes the graph runners' locks,
         not the engine's: call it off the event loop."""
-        graphs = self.graphs
+        graphs, kernels = self.graphs, self.kernels.describe()
         if graphs is None:
-            return {"enabled": False, "reason": self.graphs_off_reason}
-        return graphs.stats()
+            return {"enabled": False, "reason": self.graphs_off_reason, "kernels": kernels}
+        return {**graphs.stats(), "kernels": kernels}
 
     def stats(self) -> dict:
         """A snapshot of queue lengths, KV use and counters."""

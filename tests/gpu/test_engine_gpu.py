@@ -28,12 +28,15 @@ def loaded() -> LoadedModel:
 
 
 def make(loaded: LoadedModel, **overrides) -> LLMEngine:
+    """An engine whose graphs are captured inside the step that earns them (the tests below
+    count steps to a replay), unless `background_capture=True` is asked for."""
     settings = dict(
         max_num_seqs=32,
         max_model_len=96,
         max_num_batched_tokens=512,
         num_kv_blocks=32 * 6 + 1,
         batch_buckets=(1, 2, 4, 8, 16, 32),
+        background_capture=False,
     )
     return LLMEngine(engine_config(**{**settings, **overrides}), loaded)
 
@@ -79,6 +82,26 @@ def test_decode_replays_are_bitwise_equal_to_eager_for_buckets_1_to_32(loaded):
         rows = {g["rows"] for g in stats["graphs"]}
         assert rows == {1, 2, 4, 8, 16, 32}, rows
         assert stats["replays"] > 50
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_captures_between_steps_give_eager_tokens_and_are_replayed_after(loaded):
+    capture_all = GraphConfig(admission=AdmissionConfig(min_hits=1, max_capture_fraction=1.0))
+    eager = make(loaded, enforce_eager=True)
+    graphs = make(loaded, graphs=capture_all, background_capture=True)
+    try:
+        assert staggered(graphs) == staggered(eager)
+        while graphs.has_capture_in_flight():  # idle steps finish what traffic started
+            graphs.step()
+        stats = graphs.graphs.stats()
+        waited = stats["fallbacks"].get("capture_in_progress", 0)
+        assert waited > 0 and stats["captures"] > 0 and stats["parity_mismatches"] == 0, stats
+        assert stats["reserved_bytes"] == 0 and stats["background_unit_max_ms"] > 0
+        replays = stats["replays"]
+        assert staggered(graphs, num=8) == staggered(eager, num=8)
+        assert graphs.graphs.stats()["replays"] > replays
     finally:
         eager.shutdown()
         graphs.shutdown()
