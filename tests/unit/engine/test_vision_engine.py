@@ -17,6 +17,9 @@ from tests.unit.engine.fixtures_engine import (  # noqa: F401
 )
 
 VISION_ENGINE = {"max_model_len": 128}
+# Graphs captured inside the call that earns them: these tests count captures and replays of
+# prefills they run directly (no step in between to advance a capture between steps).
+GRAPHS_IN_STEP = {"graph_backend": "sim", "background_capture": False}
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +58,7 @@ def generate(engine, requests: dict[str, tuple[list[int], list[torch.Tensor]]]):
 
 def test_image_requests_give_the_same_tokens_with_graphs_as_eager(embedded_model):
     eager = make_engine(embedded_model, enforce_eager=True, **VISION_ENGINE)
-    graphs = make_engine(embedded_model, graph_backend="sim", **VISION_ENGINE)
+    graphs = make_engine(embedded_model, **GRAPHS_IN_STEP, **VISION_ENGINE)
     try:
         prompt = image_prompt(eager, "What is shown?")
         for round_ in range(3):  # the same shape three times: captured on the second
@@ -69,7 +72,7 @@ def test_image_requests_give_the_same_tokens_with_graphs_as_eager(embedded_model
 
 
 def test_segmented_prefill_logits_equal_eager_bitwise_with_new_images(embedded_model):
-    engine = make_engine(embedded_model, graph_backend="sim", **VISION_ENGINE)
+    engine = make_engine(embedded_model, **GRAPHS_IN_STEP, **VISION_ENGINE)
     try:
         prefill = engine.graphs.prefill
         assert isinstance(prefill, PrefillGraphs) and engine.runner.prefill_fn is prefill
@@ -119,7 +122,7 @@ def test_prefill_graphs_follow_the_decode_capability_proof(embedded_model):
 
 
 def test_reload_and_shutdown_retire_prefill_groups(embedded_model):
-    engine = make_engine(embedded_model, graph_backend="sim", **VISION_ENGINE)
+    engine = make_engine(embedded_model, **GRAPHS_IN_STEP, **VISION_ENGINE)
     prompt = image_prompt(engine, "Hi")
     for seed in range(2):
         prefill_logits(engine, prompt, [image(seed)])
