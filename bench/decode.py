@@ -1,10 +1,15 @@
-"""Decode throughput: this engine eager vs with graphs vs HF transformers `generate`.
+"""Decode throughput: this engine eager vs with graphs (reference and fused kernels) vs HF
+transformers `generate`.
 
 Random bf16 weights of the SmolLM2-135M and Qwen3-0.6B shapes, 16-token prompts, 128 new tokens
-(EOS ignored), at concurrency 1, 8, 32 and 64, all in one run. Targets: graphs at batch 1 >= 250
-tok/s on the SmolLM2 shape, >= 5x this engine's eager at batch 1, and >= 10x HF generate at 32.
-Graph resident bytes are reported next to KV bytes. Steady state: each engine configuration
-runs twice untimed first (captures happen there), then timed.
+(EOS ignored), at concurrency 1, 8, 32 and 64, all in one run. Columns: the engine eager with the
+reference (torch) kernels, with graphs and the torch kernels, with graphs and the fused Triton
+kernels, HF generate. Targets (fused): Qwen3 batch 1 >= 500 tok/s, SmolLM2 batch 1 >= 800, Qwen3
+at 64 >= 12,000, SmolLM2 at 64 >= 25,000. For the fused configuration the bench also replays the
+decode step alone as a raw CUDA graph at the batch's shape and reports the host's share of a
+step (step wall time minus that replay's device time). Graph resident bytes are reported next
+to KV bytes. Steady state: each engine configuration runs twice untimed first (captures happen
+there), then timed.
 
     python bench/decode.py [--shapes smollm2-135m,qwen3-0.6b] [--concurrency 1,8,32,64]
 """
@@ -27,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timing import out_dir, write_json  # noqa: E402
 from graphguard.engine.config import PRESETS, ModelConfig, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
+from graphguard.engine.kv import PagedKVStorage, width_bucket  # noqa: E402
 from graphguard.engine.loader import LoadedModel, config_to_hf  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
 from graphguard.engine.sampling import SamplingParams  # noqa: E402
@@ -55,9 +61,12 @@ def prompts(num: int, vocab: int) -> list[list[int]]:
     return torch.randint(10, vocab - 10, (num, PROMPT_LEN), generator=g).tolist()
 
 
-def engine_tok_s(loaded: LoadedModel, concurrency: int, eager: bool) -> tuple[float, dict]:
+def engine_tok_s(
+    loaded: LoadedModel, concurrency: int, eager: bool, kernels: str = "torch"
+) -> tuple[float, dict]:
     config = engine_config(
         enforce_eager=eager,
+        kernels=kernels,
         max_num_seqs=64,
         max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
         max_num_batched_tokens=64 * PROMPT_LEN,
@@ -68,11 +77,15 @@ def engine_tok_s(loaded: LoadedModel, concurrency: int, eager: bool) -> tuple[fl
     try:
         for _ in range(2):  # warm-up: keys earn their captures (min_hits=2) here, not below
             run_requests(engine, concurrency, max_tokens=NEW_TOKENS)
+        steps_before = engine.stats()["num_steps"]
         start = time.perf_counter()
         run_requests(engine, concurrency, max_tokens=NEW_TOKENS)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        extra = {"kv_bytes": engine.kv.kv_bytes}
+        num_steps = engine.stats()["num_steps"] - steps_before
+        extra = {"kv_bytes": engine.kv.kv_bytes, "ms_per_step": 1e3 * seconds / num_steps}
+        if not eager:
+            extra["replay_ms"] = replay_ms(engine, concurrency)
         if engine.graphs is not None:
             stats = engine.graphs.stats()
             extra.update(
@@ -84,6 +97,33 @@ def engine_tok_s(loaded: LoadedModel, concurrency: int, eager: bool) -> tuple[fl
         return concurrency * NEW_TOKENS / seconds, extra
     finally:
         engine.shutdown()
+
+
+def replay_ms(engine: LLMEngine, batch: int) -> float:
+    """Device time of the decode step alone, captured as a raw CUDA graph at `batch` rows and
+    the width of a mid-generation step, median of 50 replays."""
+    blocks = -(-(PROMPT_LEN + NEW_TOKENS // 2) // engine.config.block_size)
+    width = width_bucket(blocks)
+    dummy = PagedKVStorage.DUMMY_BLOCK
+    tables = torch.full((batch, width), dummy, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), PROMPT_LEN + NEW_TOKENS // 2, dtype=torch.int32, device="cuda")
+    ids = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    positions, slots = (lens - 1).long(), torch.zeros(batch, dtype=torch.int64, device="cuda")
+    inputs = (ids, positions, tables, lens, slots)
+    engine.forward.decode(*inputs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        engine.forward.decode(*inputs)
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
 
 
 def run_requests(engine: LLMEngine, concurrency: int, max_tokens: int) -> None:
@@ -140,22 +180,28 @@ def measure(shape: str, levels: list[int], with_hf: bool) -> list[dict]:
     rows = []
     for c in levels:
         eager, _ = engine_tok_s(loaded, c, eager=True)
-        graphs, extra = engine_tok_s(loaded, c, eager=False)
+        graphs_torch, _ = engine_tok_s(loaded, c, eager=False, kernels="torch")
+        graphs, extra = engine_tok_s(loaded, c, eager=False, kernels="triton")
         hf = hf_tok_s(config, c) if with_hf else float("nan")
         rows.append(
             dict(
                 shape=shape,
                 concurrency=c,
                 eager_tok_s=eager,
+                graphs_torch_tok_s=graphs_torch,
                 graphs_tok_s=graphs,
                 hf_tok_s=hf,
                 graphs_vs_eager=graphs / eager,
+                fused_vs_torch=graphs / graphs_torch,
                 graphs_vs_hf=graphs / hf,
+                host_ms_per_step=extra["ms_per_step"] - extra["replay_ms"],
                 **extra,
             )
         )
         print(
-            f"  {shape} c={c}: eager {eager:.0f}, graphs {graphs:.0f}, hf {hf:.0f} tok/s",
+            f"  {shape} c={c}: eager {eager:.0f}, graphs torch {graphs_torch:.0f}, graphs fused "
+            f"{graphs:.0f}, hf {hf:.0f} tok/s; step {extra['ms_per_step']:.2f} ms, replay "
+            f"{extra['replay_ms']:.2f} ms",
             flush=True,
         )
     del model
@@ -175,15 +221,16 @@ def main() -> None:
     plot(rows)
     print(f"decode (bf16, random weights, {NEW_TOKENS} new tokens) -> {path}")
     print(
-        f"{'shape':>13} {'conc':>4} {'eager':>7} {'graphs':>7} {'hf':>7} {'x eager':>7} "
-        f"{'x hf':>6} {'graph MiB':>9} {'kv MiB':>7}"
+        f"{'shape':>13} {'conc':>4} {'eager':>7} {'g-torch':>7} {'g-fused':>7} {'hf':>7} "
+        f"{'x torch':>7} {'x hf':>6} {'step ms':>7} {'replay':>6} {'host':>6} {'graph MiB':>9}"
     )
     for r in rows:
         print(
             f"{r['shape']:>13} {r['concurrency']:>4} {r['eager_tok_s']:>7.0f} "
-            f"{r['graphs_tok_s']:>7.0f} {r['hf_tok_s']:>7.0f} {r['graphs_vs_eager']:>7.1f} "
-            f"{r['graphs_vs_hf']:>6.1f} {r.get('graph_resident_bytes', 0) / 2**20:>9.0f} "
-            f"{r['kv_bytes'] / 2**20:>7.0f}"
+            f"{r['graphs_torch_tok_s']:>7.0f} {r['graphs_tok_s']:>7.0f} {r['hf_tok_s']:>7.0f} "
+            f"{r['fused_vs_torch']:>7.2f} {r['graphs_vs_hf']:>6.1f} {r['ms_per_step']:>7.2f} "
+            f"{r['replay_ms']:>6.2f} {r['host_ms_per_step']:>6.2f} "
+            f"{r.get('graph_resident_bytes', 0) / 2**20:>9.0f}"
         )
 
 
@@ -201,7 +248,8 @@ def plot(rows: list[dict]) -> None:
         mine = [r for r in rows if r["shape"] == shape]
         xs = [r["concurrency"] for r in mine]
         for key, label in (
-            ("graphs_tok_s", "graphguard graphs"),
+            ("graphs_tok_s", "graphguard graphs, fused kernels"),
+            ("graphs_torch_tok_s", "graphguard graphs, torch kernels"),
             ("eager_tok_s", "engine eager"),
             ("hf_tok_s", "HF generate"),
         ):

@@ -1,4 +1,7 @@
-"""Paged attention in plain PyTorch: eager prefill and graph-capturable decode.
+"""Paged prefill attention in plain PyTorch (SDPA), and the attention metadata of a step.
+
+Decode attention and the K/V cache write are kernels of the engine's kernel set
+(graphguard/kernels: `decode_attention`, `write_kv` in the reference set).
 
 K/V live in blocks of ``block_size`` tokens; a sequence's blocks are listed in its row of
 ``block_tables``. Token ``t`` of a sequence lives at slot ``block * block_size + t % block_size``
@@ -155,61 +158,6 @@ class AttentionMetadata:
     query_lens_cpu: list[int] | None = None  # prefill only
     # prefill only: how the sequences share attention calls (None: plan_prefill_groups)
     prefill_groups: tuple[PrefillGroup, ...] | None = None
-
-
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter new K/V ``[num_tokens, num_kv_heads, head_dim]`` into their cache slots."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def paged_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> Tensor:
-    """Store the new K/V, then attend. q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if meta.is_prefill:
-        return paged_prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
-    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-
-
-def paged_decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    scale: float,
-) -> Tensor:
-    """One query token per sequence over its paged context; q ``[B, Hq, D]`` -> ``[B, Hq, D]``.
-
-    NOTE: capturable in a CUDA graph: no host syncs, and every shape comes from
-    ``(B, width)``; the context is ``width * block_size`` slots with slots >= seq_len masked.
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    ctx_len = block_tables.shape[1] * block_size
-    tables = block_tables.long()
-    # [B, width, block_size, Hkv, D] -> [B, Hkv, ctx, D]
-    k = k_cache[tables].view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[tables].view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-    # Query head h reads KV head h // group (the repeat_interleave layout of GQA).
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, Hkv, G, ctx]
-    slots = torch.arange(ctx_len, device=q.device)
-    is_past_end = slots.view(1, 1, 1, ctx_len) >= seq_lens.view(num_seqs, 1, 1, 1)
-    scores = scores.masked_fill(is_past_end, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, Hkv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(

@@ -7,6 +7,9 @@ from typing import Any
 
 from graphguard.core.admission import AdmissionConfig
 
+# What EngineConfig.kernels accepts (graphguard.kernels.KernelChoice's values).
+KERNEL_CHOICES = ("auto", "torch", "triton")
+
 # The model families the engine runs: arch -> the Hugging Face architecture name it loads.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -127,6 +130,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 -> max_num_seqs full-length requests, within a memory allowance
     seed: int = 0
+    # the decoder's kernel set: "auto" (fused Triton kernels on CUDA in half precision, else
+    # the plain PyTorch ops), "torch" or "triton" (graphguard/kernels)
+    kernels: str = "auto"
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
@@ -135,6 +141,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         # One decode token for every running sequence must fit one step's token budget;
         # prompts longer than what a step has left are prefilled in chunks.
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -33,6 +33,7 @@ from graphguard.engine.sampling import (
 )
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
+from graphguard.engine.structured import GrammarCompiler, InvalidParamError
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 from graphguard.kernels import select_kernels
 
@@ -84,10 +85,10 @@ class LLMEngine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         # NOTE: chosen before any graph is built: graphs capture the kernels the model runs.
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         self.model.use_kernels(self.kernels.kernels)
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.kv = self._build_kv()
         self.scheduler = Scheduler(
             self.kv,
@@ -118,6 +119,7 @@ class LLMEngine:
             # recur. Padding follows the setting, not whether graphs could be built, so an
             # engine computes the same tokens with graphs on, off or still being earned.
             prefill_bucket=prefill_token_bucket if config.graphs.prefill else None,
+            decode_bucket=self.graphs.decode_bucket if self.graphs else None,
         )
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs

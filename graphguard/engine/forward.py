@@ -7,7 +7,8 @@ The graph runners capture exactly these, so graphs and eager share one definitio
 The prefill pipeline: the decoder cut around attention. One stage embeds the tokens (image
 embeddings spliced in), then each layer's attention runs eagerly (variable-length causal
 attention over the paged cache, host-side lengths), and the stage after it holds o_proj, the
-residual, the MLP and the next layer's norm, q/k/v projections and RoPE. The ops are those of
+residual add and norm and the MLP; the next layer's stage before attention holds its residual
+add and norm, the q/k/v projection and RoPE. The ops are those of
 DecoderModel.forward in the same order, so the pipeline run eagerly gives the same hidden
 states; graphguard.segmented captures its capturable stages (engine/prefill_graphs.py), and the
 same pipeline run eagerly is how image requests prefill when graphs are off.
@@ -21,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from graphguard.engine.attention import AttentionMetadata, paged_attention
+from graphguard.engine.attention import AttentionMetadata, paged_prefill_attention
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.models.layers import DecoderLayer
+from graphguard.kernels.reference import write_kv
 from graphguard.segmented import Carry, Stage, run_eager, split_segments
 
 if TYPE_CHECKING:
@@ -89,14 +91,16 @@ class PrefillContext:
 
 
 def prefill_stages(model: DecoderModel) -> list[Stage]:
-    """The decoder as stages: embed, then per layer pre-attention | attention | post-attention."""
+    """The decoder as stages: embed, then per layer pre-attention | attention | post-attention,
+    then the final norm. Between layers the carry is (h, residual, cos, sin): the residual
+    stream travels unadded, as in DecoderModel.forward (the first layer has none yet)."""
     stages = [Stage("embed", _embed(model))]
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        stages.append(Stage(f"pre{index}", _pre_attention(layer)))
+        stages.append(Stage(f"pre{index}", _pre_attention(model, layer, first=index == 0)))
         stages.append(Stage(f"attn{index}", _attention(index, layer), eager=True))
-        stages.append(Stage(f"post{index}", _post_attention(layer)))
-    stages.append(Stage("norm", lambda h, cos, sin: (model.norm(h),)))
+        stages.append(Stage(f"post{index}", _post_attention(model, layer)))
+    stages.append(Stage("norm", _final_norm(model)))
     return stages
 
 
@@ -111,9 +115,12 @@ def _embed(model: DecoderModel) -> Any:
     return embed
 
 
-def _pre_attention(layer: DecoderLayer) -> Any:
-    def pre(h: Tensor, cos: Tensor, sin: Tensor) -> Carry:
-        return h, *layer.pre_attention(h, cos, sin), cos, sin
+def _pre_attention(model: DecoderModel, layer: DecoderLayer, first: bool) -> Any:
+    def pre(h: Tensor, *carry: Tensor) -> Carry:
+        residual, rope = (None, carry) if first else (carry[0], carry[1:])
+        x, residual = layer.norm_input(h, residual, model.kernels)
+        q, k, v = layer.self_attn.project_qkv(x, (rope[0], rope[1]), model.kernels)
+        return residual, q, k, v, *rope
 
     return pre
 
@@ -121,18 +128,29 @@ def _pre_attention(layer: DecoderLayer) -> Any:
 def _attention(index: int, layer: DecoderLayer) -> Any:
     scale = layer.self_attn.scale
 
-    def attention(ctx: PrefillContext, h: Tensor, q: Tensor, k: Tensor, v: Tensor, *rope: Tensor):
+    def attention(ctx: PrefillContext, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *rope):
         k_cache, v_cache = ctx.kv.k_cache[index], ctx.kv.v_cache[index]
-        return (h, paged_attention(q, k, v, k_cache, v_cache, ctx.meta, scale), *rope)
+        write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
+        out = paged_prefill_attention(q, k, v, k_cache, v_cache, ctx.meta, scale)
+        return (residual, out, *rope)
 
     return attention
 
 
-def _post_attention(layer: DecoderLayer) -> Any:
-    def post(h: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
-        return layer.post_attention(h, out), cos, sin
+def _post_attention(model: DecoderModel, layer: DecoderLayer) -> Any:
+    def post(residual: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+        h, residual = layer.mlp_block(layer.self_attn.project_out(out), residual, model.kernels)
+        return h, residual, cos, sin
 
     return post
+
+
+def _final_norm(model: DecoderModel) -> Any:
+    def norm(h: Tensor, *carry: Tensor) -> Carry:
+        residual = carry[0] if len(model.layers) else None
+        return (model.final_norm(h, residual),)
+
+    return norm
 
 
 def image_splice(

@@ -114,6 +114,11 @@ class EngineGraphs:
     def decode_fn(self) -> DecodeGraphs:
         return self.decode
 
+    def decode_bucket(self, num_rows: int) -> int:
+        """The rows a decode batch of `num_rows` is padded to: its batch bucket (itself when
+        it is larger than every bucket, and then it runs eagerly)."""
+        return min((b for b in self.config.batch_buckets if b >= num_rows), default=num_rows)
+
     @property
     def prefill_fn(self) -> Any:
         """The segmented prefill graphs, or the eager prefill when they are off."""

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.batch import ScheduledBatch
+from graphguard.engine.decode_inputs import DecodeInputs
 from graphguard.engine.forward import ImageSplice, image_splice
 from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.models import DecoderModel
@@ -45,6 +46,7 @@ class ModelRunner:
         decode_fn: DecodeFn,
         prefill_fn: PrefillFn,
         prefill_bucket: Callable[[int], int] | None = None,
+        decode_bucket: Callable[[int], int] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -54,6 +56,10 @@ class ModelRunner:
         self.prefill_fn = prefill_fn
         # packed prefill tokens -> the count a prefill is padded up to (graphs: keys recur)
         self.prefill_bucket = prefill_bucket
+        # decode rows -> the rows a decode batch is padded up to (the graphs' batch bucket),
+        # so the call fills its bucket and its inputs go to the graph in one copy each
+        self.decode_bucket = decode_bucket
+        self.decode_inputs = DecodeInputs(device)
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -135,23 +141,23 @@ class ModelRunner:
         """One query token per sequence through ``decode_fn``; logits of the real rows."""
         positions = [seq.num_tokens - 1 for seq in seqs]
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
-        logits = self.decode_fn(
-            self._tensor([seq.last_token_id for seq in seqs], torch.int64),
-            self._tensor(positions, torch.int64),
-            self._block_tables(seqs, width),
-            self._tensor([seq.num_tokens for seq in seqs], torch.int32),
-            self._tensor(
-                [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)], torch.int64
-            ),
-        )
+        dummy = PagedKVStorage.DUMMY_BLOCK
+        ids = [seq.last_token_id for seq in seqs]
+        slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
+        tables = [seq.block_table + [dummy] * (width - len(seq.block_table)) for seq in seqs]
+        lens = [seq.num_tokens for seq in seqs]
+        pad = self.decode_bucket(len(seqs)) - len(seqs) if self.decode_bucket else 0
+        if pad > 0:
+            # NOTE: padding rows read and write only the reserved dummy block (length 1).
+            ids, positions, lens = ids + [0] * pad, positions + [0] * pad, lens + [1] * pad
+            slots += [dummy * self.block_size] * pad
+            tables += [[dummy] * width] * pad
+        logits = self.decode_fn(*self.decode_inputs.pack(ids, positions, slots, tables, lens))
         return logits[: len(seqs)].float()
 
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
-
-    def _block_tables(self, seqs: list[Sequence], width: int) -> Tensor:
-        return self._table_tensor([seq.block_table for seq in seqs], width)
 
     def _table_tensor(self, tables: list[list[int]], width: int) -> Tensor:
         # NOTE: padding points at the reserved dummy block, never at a live sequence's KV.

@@ -63,6 +63,7 @@ def describe_engine(engine: LLMEngine, config: ServerConfig) -> list[str]:
         f"model: {config.model_name} ({source})",
         f"device: {device}, dtype: {dtype}, max model len: {max_model_len}",
         f"KV cache: {kv}, max num seqs: {config.engine.max_num_seqs}",
+        f"kernels: {engine.kernels.describe()}",
         graph_line,
     ]
 

@@ -14,7 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from graphguard.engine.config import GRAPH_SETTINGS, EngineConfig, GraphConfig, engine_config
+from graphguard.engine.config import (
+    GRAPH_SETTINGS,
+    KERNEL_CHOICES,
+    EngineConfig,
+    GraphConfig,
+    engine_config,
+)
 from graphguard.server.config import API_KEY_ENV, LOG_LEVELS, ServerConfig
 
 _SERVER = ServerConfig()
@@ -120,6 +126,13 @@ FLAGS: dict[str, Flag] = {
         "(default: {default})",
         type=int,
         metavar="N",
+    ),
+    "kernels": Flag(
+        "engine",
+        "the decoder's kernels: triton (fused norms, RoPE with the KV write, SiLU-and-multiply "
+        "and split-K paged decode attention; CUDA), torch (plain PyTorch ops, the reference) "
+        "or auto, triton on CUDA in bfloat16/float16 (default: {default})",
+        choices=KERNEL_CHOICES,
     ),
     "enforce_eager": Flag(
         "engine", "run decode and prefill eagerly, never through CUDA graphs", switch=True

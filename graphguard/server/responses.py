@@ -144,4 +144,5 @@ class GraphsReport(BaseModel):
 
     enabled: bool
     reason: str
+    kernels: str  # the decoder's kernel set and why it was chosen ("triton (...)")
     prefill: dict[str, Any] | None = None

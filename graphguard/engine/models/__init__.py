@@ -1,4 +1,9 @@
-"""Decoder models of the Llama family over paged KV: the shared trunk and model construction."""
+"""Decoder models of the Llama family over paged KV: the shared trunk and model construction.
+
+A model runs its ops through one kernel set (graphguard/kernels), the reference PyTorch one
+unless `use_kernels` picks another before the first forward; graphs capture whatever set the
+model runs, so an engine picks it once, before it builds its graphs.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.config import ModelConfig
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from graphguard.kernels import TorchKernels
 
 # arch -> "module:class"; imported on first use so each family stays in its own file.
 _FAMILIES = {
@@ -39,6 +45,19 @@ class DecoderModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.kernels = TorchKernels()
+
+    def use_kernels(self, kernels: TorchKernels) -> None:
+        """Run through `kernels` from now on (before any graph of this model is captured)."""
+        self.kernels = kernels
+
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights; call once the weights are on
+        their device and dtype (moving the model afterwards would separate the views)."""
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def make_layer(self, config: ModelConfig) -> DecoderLayer:
         raise NotImplementedError
@@ -48,10 +67,17 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """ids/positions ``[num_tokens]`` int64 -> final hidden states ``[num_tokens, hidden]``."""
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+        rope = self.rotary(positions, h.dtype)
+        residual: Tensor | None = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k_cache, kv.v_cache, strict=True):
-            h = layer(h, cos, sin, meta, k_cache, v_cache)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, meta, (k_cache, v_cache), self.kernels)
+        return self.final_norm(h, residual)
+
+    def final_norm(self, h: Tensor, residual: Tensor | None) -> Tensor:
+        """The last layer's output added to the residual stream, normed."""
+        if residual is None:  # no layers
+            return self.kernels.rms_norm(h, self.norm.weight, self.norm.eps)
+        return self.kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
@@ -89,6 +115,8 @@ def build_model(
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     model.rotary.reset_buffers(device)
+    model.rotary.build_table(config.max_position_embeddings, dtype)
+    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 
@@ -105,6 +133,8 @@ def build_model_from_weights(
     state = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.reset_buffers(device)
+    model.rotary.build_table(config.max_position_embeddings, dtype)
+    model.fuse_projections()
     return model.eval().requires_grad_(False)
 
 

@@ -1,13 +1,24 @@
-"""Building blocks shared by the Llama-family decoders: RMSNorm, RoPE, GQA attention, SwiGLU."""
+"""Building blocks shared by the Llama-family decoders: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Every op goes through the engine's kernel set (graphguard/kernels): the plain PyTorch one, or
+the fused Triton one on CUDA. q/k/v and gate/up each run as one GEMM: their weights are
+concatenated once the model is on its device (`fuse_projections`), and the checkpoint-named
+parameters become views of the concatenation, so an in-place ``load_state_dict`` (a weight
+reload) updates what the GEMM reads. The residual stream is carried between layers unadded,
+so each residual add is fused with the norm after it.
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphguard.engine.attention import AttentionMetadata, paged_attention
+from graphguard.engine.attention import AttentionMetadata, paged_prefill_attention
 from graphguard.engine.config import ModelConfig
+from graphguard.kernels import HeadShape, QKNorm, TorchKernels
+from graphguard.kernels.reference import rms_norm, write_kv
+
+Rope = tuple[Tensor, Tensor]  # cos, sin [T, head_dim], model dtype
 
 
 class RMSNorm(nn.Module):
@@ -19,22 +30,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (default, unscaled): cos/sin ``[T, head_dim]`` per position."""
+    """Rotary position embedding (default, unscaled): cos/sin ``[T, head_dim]`` per position.
+
+    With `build_table`, cos/sin of every position are computed once (by the same ops, on the
+    same device, so the values are the same bits) and a step gathers its rows in one kernel
+    instead of computing them in seven.
+    """
 
     inv_freq: Tensor
+    table: Tensor | None  # [max_positions, 2, head_dim] cos then sin, model dtype, or None
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self.register_buffer("inv_freq", self._compute_inv_freq(), persistent=False)
+        self.register_buffer("table", None, persistent=False)
 
     def _compute_inv_freq(self) -> Tensor:
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
@@ -44,79 +59,126 @@ class RotaryEmbedding(nn.Module):
         """Recompute inv_freq (float32, on CPU first) after the module was built on meta."""
         self.inv_freq = self._compute_inv_freq().to(device)
 
-    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def build_table(self, max_positions: int, dtype: torch.dtype) -> None:
+        """Precompute cos/sin of positions ``[0, max_positions)`` in `dtype`."""
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        self.table = torch.stack(self.compute(positions, dtype), dim=1)
+
+    def compute(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         # NOTE: angles stay float32 whatever the model dtype; only cos/sin are cast.
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> Rope:
+        table = self.table
+        if table is None or table.dtype != dtype:
+            return self.compute(positions, dtype)
+        rows = table.index_select(0, positions)  # [T, 2, head_dim]
+        return rows[:, 0], rows[:, 1]
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [T, H, D]`` by per-token cos/sin ``[T, D]`` (half-split layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+def fuse_linears(*linears: nn.Linear) -> Tensor:
+    """One weight ``[sum(out), in]`` for linears that read the same input; each linear's weight
+    becomes a view of its rows (so copying into it updates the fused weight)."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class GQAAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
+    qkv_weight: Tensor | None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.heads = HeadShape(config.num_heads, config.num_kv_heads, config.head_dim)
         self.scale = config.head_dim**-0.5
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.qkv_weight = None  # set by fuse()
 
-    def normalize_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Hook for families that normalize q/k per head before RoPE (identity here)."""
-        return q, k
+    def fuse(self) -> None:
+        """Concatenate the q/k/v weights (once the weights are on their device)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def project_qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qk_norm(self) -> QKNorm | None:
+        """Per-head q/k norm weights for families that norm q and k before RoPE (None here)."""
+        return None
+
+    def qkv(self, x: Tensor) -> Tensor:
+        """x ``[T, hidden]`` -> fused q/k/v rows ``[T, (Hq + 2 Hkv) * D]``."""
+        if self.qkv_weight is None:
+            raise RuntimeError("fuse() the model's projections before running it")
+        return torch.nn.functional.linear(x, self.qkv_weight)
+
+    def project_qkv(
+        self, x: Tensor, rope: Rope, kernels: TorchKernels
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.normalize_qk(q, k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return kernels.rope_qkv(self.qkv(x), *rope, self.heads, self.qk_norm())
 
     def project_out(self, out: Tensor) -> Tensor:
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(out.shape[0], -1))
 
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         meta: AttentionMetadata,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        kv_cache: tuple[Tensor, Tensor],
+        kernels: TorchKernels,
     ) -> Tensor:
-        q, k, v = self.project_qkv(x, cos, sin)
-        return self.project_out(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+        if meta.is_prefill:
+            q, k, v = self.project_qkv(x, rope, kernels)
+            write_kv(*kv_cache, k, v, meta.slot_mapping)
+            out = paged_prefill_attention(q, k, v, *kv_cache, meta, self.scale)
+        else:
+            qkv, norm, slots = self.qkv(x), self.qk_norm(), meta.slot_mapping
+            q = kernels.rope_qkv_write(qkv, *rope, self.heads, norm, kv_cache, slots)
+            tables, lens = meta.block_tables, meta.seq_lens
+            out = kernels.decode_attention(q, kv_cache, tables, lens, self.scale)
+        return self.project_out(out)
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
+
+    gate_up_weight: Tensor | None
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight = None  # set by fuse()
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """Concatenate the gate/up weights (once the weights are on their device)."""
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x: Tensor, kernels: TorchKernels) -> Tensor:
+        if self.gate_up_weight is None:
+            raise RuntimeError("fuse() the model's projections before running it")
+        gate_up = torch.nn.functional.linear(x, self.gate_up_weight)
+        return self.down_proj(kernels.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Names follow the HF checkpoints."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). Names follow the HF checkpoints.
+
+    The layer takes the previous layer's output and the residual stream separately and returns
+    its MLP output and the new residual: ``(h, residual) -> (mlp_out, residual + attn_out)``,
+    where the first layer has no residual yet.
+    """
 
     def __init__(self, config: ModelConfig, self_attn: GQAAttention) -> None:
         super().__init__()
@@ -127,22 +189,29 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        h: Tensor,
+        residual: Tensor | None,
+        rope: Rope,
         meta: AttentionMetadata,
-        k_cache: Tensor,
-        v_cache: Tensor,
-    ) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
-        return self.mlp_block(h)
+        kv_cache: tuple[Tensor, Tensor],
+        kernels: TorchKernels,
+    ) -> tuple[Tensor, Tensor]:
+        x, residual = self.norm_input(h, residual, kernels)
+        return self.mlp_block(self.self_attn(x, rope, meta, kv_cache, kernels), residual, kernels)
 
-    # The two halves around attention, for pipelines that run attention between graphs.
-    def pre_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.self_attn.project_qkv(self.input_layernorm(x), cos, sin)
+    def norm_input(
+        self, h: Tensor, residual: Tensor | None, kernels: TorchKernels
+    ) -> tuple[Tensor, Tensor]:
+        """(input_layernorm(h + residual), h + residual); the first layer's residual is h."""
+        norm = self.input_layernorm
+        if residual is None:
+            return kernels.rms_norm(h, norm.weight, norm.eps), h
+        return kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
 
-    def post_attention(self, x: Tensor, out: Tensor) -> Tensor:
-        return self.mlp_block(x + self.self_attn.project_out(out))
-
-    def mlp_block(self, h: Tensor) -> Tensor:
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def mlp_block(
+        self, attn_out: Tensor, residual: Tensor, kernels: TorchKernels
+    ) -> tuple[Tensor, Tensor]:
+        """The attention output added to the residual, normed, through the MLP."""
+        norm = self.post_attention_layernorm
+        x, residual = kernels.add_rms_norm(attn_out, residual, norm.weight, norm.eps)
+        return self.mlp(x, kernels), residual

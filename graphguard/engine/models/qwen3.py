@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from torch import Tensor
-
 from graphguard.engine.config import ModelConfig
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.models.layers import DecoderLayer, GQAAttention, RMSNorm
+from graphguard.kernels import QKNorm
 
 
 class Qwen3Attention(GQAAttention):
@@ -17,8 +16,8 @@ class Qwen3Attention(GQAAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def normalize_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        return self.q_norm(q), self.k_norm(k)
+    def qk_norm(self) -> QKNorm:
+        return QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class Qwen3Model(DecoderModel):

@@ -12,12 +12,12 @@ from graphguard.engine.attention import (
     MAX_PAD_RATIO,
     SMALL_GROUP_AREA,
     AttentionMetadata,
-    paged_decode_attention,
     paged_prefill_attention,
     per_sequence_groups,
     plan_prefill_groups,
-    write_kv,
 )
+from graphguard.kernels.reference import decode_attention as paged_decode_attention
+from graphguard.kernels.reference import write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 16
 SCALE = HEAD_DIM**-0.5

@@ -1,0 +1,84 @@
+"""The kernels a decoder runs, chosen once when an engine starts.
+
+``torch``: plain PyTorch ops, the CPU path and the reference. ``triton``: fused Triton kernels
+(graphguard/kernels/fused.py) for CUDA. ``auto`` picks triton on a CUDA device in half
+precision when Triton imports, else torch, and says why.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from graphguard.kernels.reference import HeadShape, QKNorm, TorchKernels
+
+
+class KernelChoice(enum.Enum):
+    """What `--kernels` asks for."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class KernelSelection:
+    """The kernel set an engine runs, and why (shown in the startup log and /v1/graphs)."""
+
+    kernels: TorchKernels
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return self.kernels.name
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+def triton_missing(device: torch.device) -> str | None:
+    """Why the Triton set cannot run on `device`, or None when it can."""
+    if device.type != "cuda":
+        return f"device is {device.type}, Triton kernels need CUDA"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    return None
+
+
+def select_kernels(
+    choice: KernelChoice | str, device: torch.device, dtype: torch.dtype
+) -> KernelSelection:
+    """The kernel set for `choice` on `device`; an explicit ``triton`` that cannot run raises."""
+    choice = KernelChoice(choice)
+    if choice is KernelChoice.TORCH:
+        return KernelSelection(TorchKernels(), "asked for")
+    missing = triton_missing(device)
+    if choice is KernelChoice.TRITON:
+        if missing is not None:
+            raise ValueError(f"--kernels triton cannot run: {missing}")
+        return KernelSelection(_triton_kernels(), "asked for")
+    if missing is not None:
+        return KernelSelection(TorchKernels(), missing)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return KernelSelection(TorchKernels(), f"{dtype} runs the reference ops")
+    return KernelSelection(_triton_kernels(), "CUDA device, Triton available")
+
+
+def _triton_kernels() -> TorchKernels:
+    from graphguard.kernels.fused import TritonKernels  # imports triton
+
+    return TritonKernels()
+
+
+__all__ = [
+    "HeadShape",
+    "KernelChoice",
+    "KernelSelection",
+    "QKNorm",
+    "TorchKernels",
+    "select_kernels",
+    "triton_missing",
+]

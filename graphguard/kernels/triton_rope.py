@@ -1,0 +1,151 @@
+"""RoPE over fused q/k/v rows, with Qwen3's per-head q/k norm, and (in decode) the K/V cache
+write, as one Triton kernel.
+
+One program handles one head of one token: a q head is normalized (when the model norms q/k),
+rotated and stored; a k head likewise, then stored with its v head either at the token's cache
+slot (decode) or into k for the caller (prefill, whose attention writes the cache itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from graphguard.kernels.reference import HeadShape, QKNorm
+
+
+@triton.jit
+def _normed(x, weight_ptr, dims, inv_rms):
+    """The reference's per-head RMSNorm: normalized, cast back, then scaled and cast again."""
+    weight = tl.load(weight_ptr + dims).to(tl.float32)
+    normed = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
+    return (weight * normed).to(x.dtype)
+
+
+@triton.jit
+def _rope_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_qkv,
+    stride_rope,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HEAD_DIM)
+    partner = (dims + HEAD_DIM // 2) % HEAD_DIM
+    row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
+    x = tl.load(row + dims)
+    x_partner = tl.load(row + partner)
+    if HAS_NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HEAD_DIM + eps)
+        if head < NUM_HEADS:
+            x_new = _normed(x, q_norm_ptr, dims, inv_rms)
+            x_partner = _normed(x_partner, q_norm_ptr, partner, inv_rms)
+        else:
+            x_new = _normed(x, k_norm_ptr, dims, inv_rms)
+            x_partner = _normed(x_partner, k_norm_ptr, partner, inv_rms)
+        x = x_new
+    cos = tl.load(cos_ptr + token * stride_rope + dims).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_rope + dims).to(tl.float32)
+    sign = tl.where(dims < HEAD_DIM // 2, -1.0, 1.0)
+    rotated = (x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin).to(x.dtype)
+    if head < NUM_HEADS:
+        tl.store(q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + dims, rotated)
+    else:
+        kv_head = head - NUM_HEADS
+        if WRITE_CACHE:
+            slot = tl.load(slot_ptr + token).to(tl.int64)
+            dest = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims
+            v_row = qkv_ptr + token * stride_qkv + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dest, rotated)
+            tl.store(v_cache_ptr + dest, tl.load(v_row + dims))
+        else:
+            tl.store(k_out_ptr + (token * NUM_KV_HEADS + kv_head) * HEAD_DIM + dims, rotated)
+
+
+def _check(qkv: Tensor, cos: Tensor, heads: HeadShape) -> None:
+    width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or qkv.stride(-1) != 1:
+        raise ValueError(f"expected fused q/k/v rows [T, {width}], got {tuple(qkv.shape)}")
+    if heads.head_dim & (heads.head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {heads.head_dim}")
+    if cos.shape != (qkv.shape[0], heads.head_dim) or cos.stride(-1) != 1:
+        raise ValueError(f"cos/sin must be [T, {heads.head_dim}], got {tuple(cos.shape)}")
+
+
+def _launch(
+    qkv: Tensor,
+    rope: tuple[Tensor, Tensor],
+    heads: HeadShape,
+    qk_norm: QKNorm | None,
+    out: tuple[Tensor, Tensor],
+    kv_cache: tuple[Tensor, Tensor],
+    slots: Tensor | None,
+) -> None:
+    """q (and k, without a cache write) into `out`; k/v into `kv_cache` at `slots` if given."""
+    (cos, sin), (q_out, k_out) = rope, out
+    if not qkv.shape[0]:
+        return
+    norm = qk_norm or QKNorm(qkv, qkv, 0.0)  # unread without HAS_NORM
+    grid = (qkv.shape[0], heads.num_heads + heads.num_kv_heads)
+    _rope_kernel[grid](
+        qkv, cos, sin, norm.q_weight, norm.k_weight,
+        q_out, k_out, kv_cache[0], kv_cache[1], slots,
+        qkv.stride(0), cos.stride(0), norm.eps,
+        NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads, HEAD_DIM=heads.head_dim,
+        HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None,
+        num_warps=1 if heads.head_dim <= 128 else 2,
+    )  # fmt: skip
+
+
+def rope_qkv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, heads: HeadShape, qk_norm: QKNorm | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused q/k/v rows -> q ``[T, Hq, D]``, k ``[T, Hkv, D]`` (normed, rotated), v (a view)."""
+    _check(qkv, cos, heads)
+    num_tokens, head_dim = qkv.shape[0], heads.head_dim
+    q = torch.empty(num_tokens, heads.num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(num_tokens, heads.num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _launch(qkv, (cos, sin), heads, qk_norm, (q, k), (q, q), None)
+    v_start = (heads.num_heads + heads.num_kv_heads) * head_dim
+    v = qkv[:, v_start:].view(num_tokens, heads.num_kv_heads, head_dim)
+    return q, k, v
+
+
+def rope_qkv_write(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    heads: HeadShape,
+    qk_norm: QKNorm | None,
+    kv_cache: tuple[Tensor, Tensor],
+    slot_mapping: Tensor,
+) -> Tensor:
+    """`rope_qkv` with k and v stored at their cache slots ``[num_blocks, block_size, Hkv, D]``
+    (contiguous); returns q ``[T, Hq, D]``."""
+    _check(qkv, cos, heads)
+    k_cache, v_cache = kv_cache
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the K/V cache must be contiguous")
+    if k_cache.shape[-2:] != (heads.num_kv_heads, heads.head_dim):
+        raise ValueError(f"cache heads {tuple(k_cache.shape[-2:])} do not match {heads}")
+    q = qkv.new_empty((qkv.shape[0], heads.num_heads, heads.head_dim))
+    _launch(qkv, (cos, sin), heads, qk_norm, (q, q), kv_cache, slot_mapping)
+    return q

@@ -1,0 +1,114 @@
+"""The fused Triton kernels against the reference set, run by Triton's CPU interpreter.
+
+The interpreter runs the kernels' own code on the CPU (float16 and float32: its bfloat16
+matrix product is not faithful), so CI checks their indexing, masking and split merging
+without a GPU; tests/gpu/test_kernels_gpu.py checks bfloat16 and speed on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
+pytest.importorskip("triton")
+
+from graphguard.kernels import triton_decode, triton_mlp, triton_norm, triton_rope  # noqa: E402
+from tests.kernel_cases import (  # noqa: E402
+    HEADS,
+    REFERENCE,
+    float_norm,
+    paged_batch,
+    qk_norm,
+    rel_error,
+    rope_tables,
+)
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton kernels were imported for the device", allow_module_level=True)
+
+DTYPES = (torch.float16, torch.float32)
+TOLERANCE = {torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,hidden", [(1, 576), (7, 1024), (3, 100)])
+def test_add_rms_norm_matches_reference(dtype, num_rows, hidden):
+    x, residual = torch.randn(2, num_rows, hidden).to(dtype)
+    weight = (torch.rand(hidden) + 0.5).to(dtype)
+    out, summed = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
+    ref_out, ref_sum = REFERENCE.add_rms_norm(x.float(), residual.float(), weight.float(), 1e-6)
+    assert rel_error(summed, ref_sum) < TOLERANCE[dtype]
+    assert rel_error(out, ref_out) < 2 * TOLERANCE[dtype]
+    plain = triton_norm.rms_norm(x, weight, 1e-6)
+    assert rel_error(plain, REFERENCE.rms_norm(x.float(), weight.float(), 1e-6)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype):
+    gate_up = torch.randn(5, 2 * 1500).to(dtype)  # a width that is not a whole block
+    expected = REFERENCE.silu_mul(gate_up.float())
+    assert rel_error(triton_mlp.silu_mul(gate_up), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["smollm2", "qwen3"])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_and_cache_write_match_reference(dtype, heads, with_norm):
+    num_tokens = 5
+    width = (heads.num_heads + 2 * heads.num_kv_heads) * heads.head_dim
+    qkv = torch.randn(num_tokens, width).to(dtype)
+    cos, sin = rope_tables(num_tokens, heads.head_dim, dtype, "cpu")
+    norm = qk_norm(heads, dtype, "cpu") if with_norm else None
+    expected = REFERENCE.rope_qkv(qkv.float(), cos.float(), sin.float(), heads, float_norm(norm))
+    for actual, ref in zip(triton_rope.rope_qkv(qkv, cos, sin, heads, norm), expected, strict=True):
+        assert rel_error(actual, ref) < 2 * TOLERANCE[dtype]
+    shape = (4, 16, heads.num_kv_heads, heads.head_dim)
+    cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    slots = torch.tensor([3, 17, 40, 41, 63])
+    q = triton_rope.rope_qkv_write(qkv, cos, sin, heads, norm, cache, slots)
+    assert rel_error(q, expected[0]) < 2 * TOLERANCE[dtype]
+    flat_k, flat_v = (c.view(-1, heads.num_kv_heads, heads.head_dim) for c in cache)
+    assert rel_error(flat_k[slots], expected[1]) < 2 * TOLERANCE[dtype]
+    assert torch.equal(flat_v[slots], expected[2].to(dtype))
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+# (lens, width): one block, mid-block ends, a split plan with several splits, a padding row
+DECODE_CASES = [([1], 1), ([5, 16, 17], 2), ([1, 100, 250, 37], 16), ([0, 40], 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["smollm2", "qwen3"])
+@pytest.mark.parametrize("lens,width", DECODE_CASES)
+def test_decode_attention_matches_reference(dtype, heads, lens, width):
+    q, cache, tables, seq_lens = paged_batch(heads, lens, width, dtype, "cpu")
+    scale = heads.head_dim**-0.5
+    actual = triton_decode.decode_attention(q, cache, tables, seq_lens, scale)
+    real = seq_lens > 0  # a row of length 0 (graph padding) attends to nothing: zeros
+    expected = REFERENCE.decode_attention(
+        q.float(), (cache[0].float(), cache[1].float()), tables, seq_lens, scale
+    )
+    assert rel_error(actual[real], expected[real]) < 2 * TOLERANCE[dtype]
+    assert not actual[~real].any()
+
+
+def test_split_plan_covers_the_context_in_whole_tiles():
+    for ctx in [16, 256, 257, 1000, 4096, 1 << 20]:
+        splits, split_tokens = triton_decode.plan_splits(ctx)
+        assert splits * split_tokens >= ctx > (splits - 1) * split_tokens
+        assert split_tokens % triton_decode.BLOCK_N == 0
+        assert 1 <= splits <= triton_decode.MAX_SPLITS
+    assert triton_decode.plan_splits(256)[0] == 1 and triton_decode.plan_splits(4096)[0] > 1
+
+
+def test_a_rows_output_does_not_depend_on_its_batch():
+    heads = HEADS[0]
+    q, cache, tables, seq_lens = paged_batch(heads, [300, 5, 77], 32, torch.float16, "cpu")
+    together = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1)
+    alone = triton_decode.decode_attention(q[:1], cache, tables[:1], seq_lens[:1], 0.1)
+    assert torch.equal(together[:1], alone)
