@@ -197,11 +197,6 @@ class _GenerationRequest(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-    @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as the engine takes it: (token id, bias) pairs."""
         return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
@@ -209,6 +204,11 @@ class _GenerationRequest(_Body):
     @property
     def engine_response_format(self) -> ResponseFormat | None:
         return engine_response_format(self.response_format)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions. `prompt` is what OpenAI accepts: text, token ids, or a list of
