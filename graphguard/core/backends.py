@@ -85,8 +85,9 @@ class CudaBackend:
         return _owned_stream(self.device) or torch.cuda.Stream(device=self.device)
 
     def release_stream(self, stream: Any) -> None:
-        # NOTE: called after the entry waited on its last replay and reset its graph. The
-        # capture cleared the cuBLAS workspace bound to this stream, so nothing is keyed by it.
+        # NOTE: called after the entry waited on its last replay and reset its graph. Every
+        # warm-up and the capture cleared the cuBLAS workspace bound to this stream before they
+        # returned, so nothing is keyed by it, however far the capture got.
         handle = getattr(stream, "owned_handle", None)
         if handle is None:
             return
@@ -133,13 +134,21 @@ class CudaBackend:
 
     def warm_up(self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any) -> None:
         """One warm-up run of `fn` on the entry's stream, allocating in its pool; a capture
-        comes after `num_warmup` of them (lazy initialisation done, blocks cached)."""
+        comes after `num_warmup` of them (lazy initialisation done, blocks cached).
+
+        NOTE: the warm-up's cuBLAS workspace, keyed by the entry's stream and allocated in its
+        pool, is cleared before the warm-up returns. A warm-up is a unit of its own: a capture
+        cancelled or rejected after it never reaches capture()'s clears, and a workspace left
+        cached would keep 32 MiB of a released pool reserved (uncharged) until some later
+        capture cleared it, keyed by a destroyed stream whose handle a new stream may reuse."""
         with self.allocating(pool, stream):
             try:
                 fn(*args)
                 stream.synchronize()
             except Exception as exc:
                 raise CaptureError(f"warm-up failed: {type(exc).__name__}: {exc}") from exc
+            finally:
+                _clear_blas_workspaces()
 
     def capture(
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any

@@ -61,6 +61,24 @@ def test_eight_buckets_grow_reserved_by_no_more_than_their_charge(mlp):
     assert abs(settled() - baseline) <= SLACK
 
 
+def test_a_capture_cancelled_after_its_warm_ups_gives_every_byte_back(mlp):
+    # A warm-up is a unit of its own: cancelled before the capture unit, nothing may stay
+    # behind, the warm-ups' cuBLAS workspace (32 MiB, keyed by the candidate's stream) included.
+    step, inputs = mlp
+    baseline = settled()
+    runner = gg.GraphRunner(
+        step, buckets=gg.Buckets(batch=BUCKETS), admission=NAIVE, background=True
+    )
+    x = inputs[8]
+    assert torch.equal(runner(x), step(x))  # earns the key, answered eagerly
+    for _ in range(runner.backend.num_warmup):
+        runner.advance_capture()  # static inputs and the warm-ups; the capture is next
+    assert runner.capture_in_flight is not None and runner.stats()["entries"] == 0
+    runner.close()  # cancels it
+    assert runner.stats()["captures_cancelled"] == 1
+    assert abs(settled() - baseline) <= SLACK
+
+
 def test_churn_of_eight_shapes_never_holds_more_than_the_budget(mlp):
     step, inputs = mlp
     probe = gg.GraphRunner(step, admission=NAIVE)
