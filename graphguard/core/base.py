@@ -31,6 +31,8 @@ from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
 from graphguard.core.backends import Backend
 from graphguard.core.cache import GraphCache
 from graphguard.core.capture_flow import C, CaptureFlow, CaptureMode, E
+from graphguard.core.decisions import Action, Agreement, Decision, RankDivergence, SoloAgreement
+from graphguard.core.following import Following
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics, RunnerCounts
@@ -48,7 +50,7 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-class RunnerBase(CaptureFlow[E, C]):
+class RunnerBase(CaptureFlow[E, C], Following[E, C]):
     """Shared state, flow and rules of graph runners (see module docstring)."""
 
     def __init__(
@@ -67,6 +69,7 @@ class RunnerBase(CaptureFlow[E, C]):
         clock: Clock,
         enabled: bool,
         background: bool = False,
+        agreement: Agreement | None = None,
     ):
         self.name = name
         self.verify = verify
@@ -78,6 +81,7 @@ class RunnerBase(CaptureFlow[E, C]):
         self.clock = clock
         self.enabled = enabled
         self.background = background  # capture between calls (advance_capture), not in them
+        self.agreement = agreement if agreement is not None else SoloAgreement()
         self.metrics = metrics if metrics is not None else GraphMetrics()
         self.policy = AdmissionPolicy(admission or AdmissionConfig(), clock)
         self._cache: GraphCache[E] = GraphCache(max_bytes, on_evict=self._on_evict)
@@ -103,33 +107,48 @@ class RunnerBase(CaptureFlow[E, C]):
                     if self._closed:
                         reason = FallbackReason.CLOSED
                     else:
-                        out, reason = self._serve(call, plan)
+                        out, reason = self._act(call, plan, self._choose(plan.key))
                         if reason is None:
                             return out
                         if out is not None:  # an eager run already answered this call
                             return self._fallback(call, reason, out)
         return self._fallback(call, reason, None)  # NOTE: eager work runs unlocked
 
-    def _serve(self, call: C, plan: CallPlan) -> tuple[Any, FallbackReason | None]:
-        key = plan.key
+    def _choose(self, key: GraphKey) -> Decision:
+        """What to do with a call of `key` (under the lock): the leader's half of a call."""
         self.policy.record_call(key)
-        entry = self._cache.acquire(key)
-        if entry is not None:
+        if key in self._cache:
+            return Decision(Action.REPLAY, key)
+        job = self._job
+        if job is not None and job.key == key:
+            return Decision.fallback(FallbackReason.CAPTURE_IN_PROGRESS)
+        reason = self._admission_reason(key)
+        if reason is not None:
+            return Decision.fallback(reason)
+        if not self.background:
+            return Decision(Action.CAPTURE, key)
+        if job is not None:  # one capture between calls at a time
+            self.policy.counters.deferred += 1
+            return Decision.fallback(FallbackReason.ADMISSION_DEFERRED)
+        return Decision(Action.START_CAPTURE, key)
+
+    def _act(
+        self, call: C, plan: CallPlan, decision: Decision
+    ) -> tuple[Any, FallbackReason | None]:
+        """Carry out a decision on `call` (under the lock): replay, capture or start one."""
+        key = plan.key
+        if decision.action is Action.FALLBACK:
+            return None, decision.reason
+        if decision.action is Action.REPLAY:
+            entry = self._cache.acquire(key)
+            if entry is None:  # NOTE: only a follower can get here: a leader decided under lock
+                raise RankDivergence(f"{self.name}: {key.describe()} is not admitted here")
             try:
                 return self._replay(entry, call, plan)
             finally:
                 self._cache.release(entry)
-        job = self._job
-        if job is not None and job.key == key:
-            return None, FallbackReason.CAPTURE_IN_PROGRESS
-        reason = self._admission_reason(key)
-        if reason is not None:
-            return None, reason
-        if not self.background:
+        if decision.action is Action.CAPTURE:
             return self._capture(call, plan, CaptureMode.ON_CALL)
-        if job is not None:  # one capture between calls at a time
-            self.policy.counters.deferred += 1
-            return None, FallbackReason.ADMISSION_DEFERRED
         self._job = self._new_job(key, lambda: self._example(key), CaptureMode.BACKGROUND)
         self._sync_gauges()
         return None, FallbackReason.CAPTURE_IN_PROGRESS

@@ -24,6 +24,16 @@ from graphguard.core.admission import AdmissionPolicy, Clock
 from graphguard.core.backends import Backend
 from graphguard.core.background import CaptureJob, CaptureUnits, Reservation
 from graphguard.core.cache import GraphCache, Retirable
+from graphguard.core.decisions import (
+    OUTCOMES,
+    Action,
+    Agreement,
+    Decision,
+    RankDivergence,
+    Verified,
+    next_unit,
+    vote_of,
+)
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics, RunnerCounts
@@ -52,9 +62,8 @@ class CaptureMode(enum.Enum):
 
 # What a capture returns: (the call's answer, None), or (an eager answer or None, the reason).
 Outcome = tuple[Any, FallbackReason | None]
-# What a runner's capture hook returns: (graph outputs, eager outputs if they answer the call
-# else None, None), or (None, eager outputs or None, the reason the candidate was rejected).
-Verified = tuple[Any, Any, FallbackReason | None]
+# What a runner's capture hook returns (decisions.Verified): (graph outputs, eager outputs if
+# they answer the call else None, None), or (None, eager outputs or None, the reason).
 
 
 class CaptureFlow(ABC, Generic[E, C]):
@@ -73,6 +82,7 @@ class CaptureFlow(ABC, Generic[E, C]):
     _job: CaptureJob[Outcome] | None  # the capture between calls, if any
     _num_units: int  # units of captures between calls run so far
     _max_unit_s: float  # the longest of them
+    agreement: Agreement  # how ranks agree on each unit of capture work (one process: itself)
 
     # -- capturing -------------------------------------------------------------------------
     def _capture(self, call: C, plan: CallPlan, mode: CaptureMode) -> Outcome:
@@ -123,20 +133,40 @@ class CaptureFlow(ABC, Generic[E, C]):
     def _held_units(
         self, candidate: E, call: C, plan: CallPlan, reservation: Reservation | None
     ) -> CaptureUnits[Verified]:
-        """The runner's capture units; after each one the cache holds the candidate's bytes."""
+        """The runner's capture units; after each one the ranks agree on how it went (one
+        process agrees with itself) and the cache holds the candidate's agreed bytes."""
         units = self._capture_verified(candidate, call, plan)
         try:
             while True:
-                try:
-                    next(units)
-                except StopIteration as stop:
-                    return stop.value
+                verified = next_unit(units)
+                vote = self.agreement.agree(vote_of(candidate.resident_bytes, verified))
+                if vote.outcome is not None:
+                    return self._agreed_rejection(candidate, verified, vote.outcome)
+                if vote.resident_bytes != candidate.resident_bytes:
+                    # NOTE: every rank charges the largest rank's bytes: the budget holds on each
+                    # and their caches, fed the same calls, choose the same victims.
+                    setattr(candidate, "resident_bytes", vote.resident_bytes)  # noqa: B010
+                if verified is not None:
+                    return verified
                 if reservation is not None and not reservation.cover(candidate.resident_bytes):
                     self.policy.size_hints[candidate.key] = candidate.resident_bytes
                     return None, None, self._reject(candidate, CaptureOutcome.OVER_BUDGET, None)
                 yield
         finally:
             units.close()
+
+    def _agreed_rejection(
+        self, candidate: E, verified: Verified | None, outcome: CaptureOutcome
+    ) -> Verified:
+        """Reject with the agreed outcome; this rank may have rejected on its own already."""
+        local = OUTCOMES.get(verified[2]) if verified is not None and verified[2] else None
+        if local is None:
+            error = RankDivergence(f"{outcome} on another rank")
+            return None, None, self._reject(candidate, outcome, error)
+        if local is CaptureOutcome.OVER_BUDGET and outcome is not local:
+            self._quarantine(candidate.key, f"{outcome} on another rank")
+        assert verified is not None
+        return None, verified[1], _REJECTED[outcome]
 
     def _admit(
         self, candidate: E, outputs: Any, eager: Any, plan: CallPlan, mode: CaptureMode
@@ -159,26 +189,43 @@ class CaptureFlow(ABC, Generic[E, C]):
         calls (the engine: once per step, on its step thread). Returns True while a capture
         remains in flight. The kill switch, a disabled or a closed runner cancel it."""
         with self._lock:
-            job = self._job
-            if job is None:
-                return False
-            if self._gate() is not None:
-                self._cancel_job()
-                return False
-            try:
-                is_done = job.advance()
-            except Exception as exc:
-                self._job = None  # the capture's cleanup retired the candidate
-                self._reject(job.candidate, CaptureOutcome.FAILED, exc)
-                return False
-            finally:
-                self._num_units += 1
-                self._max_unit_s = max(self._max_unit_s, job.max_unit_s)
-                self._sync_gauges()
-            if is_done:
-                self._job = None
-                self._observe(job)
-            return self._job is not None
+            return self._advance(self._advance_decision())
+
+    def _advance_decision(self) -> Decision:
+        """What to do between calls (under the lock): the leader's half of advance_capture."""
+        job = self._job
+        if job is None:
+            return Decision(Action.IDLE)
+        if self._gate() is not None:
+            return Decision(Action.CANCEL, job.key)
+        return Decision(Action.ADVANCE, job.key)
+
+    def _advance(self, decision: Decision) -> bool:
+        """Carry out a decision between calls (under the lock); True while a capture remains."""
+        job = self._job
+        if decision.action is Action.IDLE or job is None:
+            if job is not None or decision.action is not Action.IDLE:
+                raise RankDivergence(f"{self.name}: capture in flight differs from the leader's")
+            return False
+        if job.key != decision.key:
+            raise RankDivergence(f"{self.name}: capturing {job.key.describe()}, not the leader's")
+        if decision.action is Action.CANCEL:
+            self._cancel_job()
+            return False
+        try:
+            is_done = job.advance()
+        except Exception as exc:
+            self._job = None  # the capture's cleanup retired the candidate
+            self._reject(job.candidate, CaptureOutcome.FAILED, exc)
+            return False
+        finally:
+            self._num_units += 1
+            self._max_unit_s = max(self._max_unit_s, job.max_unit_s)
+            self._sync_gauges()
+        if is_done:
+            self._job = None
+            self._observe(job)
+        return self._job is not None
 
     @property
     def capture_in_flight(self) -> GraphKey | None:
