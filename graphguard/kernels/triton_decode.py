@@ -26,6 +26,43 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    first,
+    end,
+    table_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    scale,
+    m,
+    total,
+    acc,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One tile of BLOCK_N context tokens from `first` (those before `end`) into the online
+    softmax state (m, total, acc) of the group's query heads."""
+    tokens = first + tl.arange(0, BLOCK_N)
+    valid = tokens < end
+    block = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = (block * BLOCK_SIZE + tokens % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    offsets = slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)  # issued with k
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, total * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr,
     k_cache_ptr,
@@ -45,6 +82,7 @@ def _partial_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_TILES: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -62,27 +100,24 @@ def _partial_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    # NOTE: a fixed trip count (the split's tiles, from the shapes) with tiles past the end
-    # skipped, so the loop bound never depends on a loaded value.
-    for tile in range(SPLIT_TILES):
-        first = start + tile * BLOCK_N
-        if first < end:
-            tokens = first + tl.arange(0, BLOCK_N)
-            valid = tokens < end
-            table = tables_ptr + seq * stride_table + tokens // BLOCK_SIZE
-            block = tl.load(table, mask=valid, other=0).to(tl.int64)
-            slot = (block * BLOCK_SIZE + tokens % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-            offsets = slot[:, None] * HEAD_DIM + dims[None, :]
-            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, N]
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            p = tl.exp(scores - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            total = total * alpha + tl.sum(p, axis=1)
-            m = m_new
+    if DYNAMIC_LOOP:  # the device: a loop the compiler can pipeline
+        for first in range(start, end, BLOCK_N):
+            m, total, acc = _attend_tile(
+                q, first, end, tables_ptr + seq * stride_table, k_cache_ptr, v_cache_ptr,
+                kv_head, scale, m, total, acc,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+            )  # fmt: skip
+    else:
+        # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: a fixed
+        # trip count (the split's tiles) with the tiles past the end skipped, same arithmetic.
+        for tile in range(SPLIT_TILES):
+            first = start + tile * BLOCK_N
+            if first < end:
+                m, total, acc = _attend_tile(
+                    q, first, end, tables_ptr + seq * stride_table, k_cache_ptr, v_cache_ptr,
+                    kv_head, scale, m, total, acc,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                )  # fmt: skip
     # A split past the sequence's end (or a padding row of length 0) has total 0.
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     if DIRECT:
@@ -131,6 +166,11 @@ def _merge_kernel(
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
+# Kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests) take the loop form
+# it can run; the device takes the one it can pipeline.
+_INTERPRETED = type(_partial_kernel).__name__ == "InterpretedFunction"
+
+
 def plan_splits(ctx_tokens: int) -> tuple[int, int]:
     """(num_splits, split_tokens) for a context of `ctx_tokens` slots: splits of about
     SPLIT_TOKENS (at most MAX_SPLITS), each a whole number of BLOCK_N tiles.
@@ -175,7 +215,7 @@ def decode_attention(
         scale, block_tables.stride(0), splits,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        SPLIT_TILES=split_tokens // BLOCK_N, DIRECT=splits == 1,
+        SPLIT_TILES=split_tokens // BLOCK_N, DYNAMIC_LOOP=not _INTERPRETED, DIRECT=splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip
