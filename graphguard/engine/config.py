@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.engine.capture_pacing import CapturePacing
 
 # What EngineConfig.kernels accepts (graphguard.kernels.KernelChoice's values).
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -99,6 +100,9 @@ class GraphConfig:
     # capture a key earned by traffic between steps, one bounded unit of work per step, while
     # its steps run eagerly (capture_in_progress); False captures inside the step that earns it
     background_capture: bool = True
+    # how much of a step those captures may take: none while prefills wait (within a bound),
+    # else units up to a time slice (graphguard/engine/capture_pacing.py)
+    capture_pacing: CapturePacing = CapturePacing()
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())

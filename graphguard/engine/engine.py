@@ -268,14 +268,14 @@ class LLMEngine:
         """One scheduler iteration: decode one token for the running requests, prefill the next
         chunk of the others (graphguard.engine.scheduler); only requests that decoded or
         finished their prompt get a token. A graph capture in flight between steps advances
-        by one bounded unit first (graphguard/engine/graphs.py)."""
+        first, by bounded units, as its pacing allows (graphguard/engine/capture_pacing.py)."""
         with self.lifecycle_lock:
             self._check_open()
             if self.graphs is not None:
                 # NOTE: on this thread, before the step: a capture never overlaps a step (its
-                # cuBLAS workspace clears must not race the step's matmuls), and no step
-                # waits for more than one unit of one.
-                self.graphs.advance_capture()
+                # cuBLAS workspace clears must not race the step's matmuls); none while
+                # requests wait for their first token, within a bound (capture_pacing.py).
+                self.graphs.before_step(self.scheduler.has_pending_prefills())
             outputs, self._pending = self._pending, []
             batch = self.scheduler.schedule()
             if batch.is_empty:

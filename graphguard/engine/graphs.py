@@ -8,10 +8,12 @@ the engine hands these functions to its ModelRunner when it builds it, and calls
 invalidate() / close() / stats() at reload, shutdown and for /v1/graphs.
 
 With `GraphConfig.background_capture` a key that traffic earns is captured between steps: the
-engine calls advance_capture() once per step, on its step thread, and that runs one bounded unit
-of work of the decode or the prefill capture in flight (taking turns), so no step waits for more
-than one unit and no capture overlaps a step (the cuBLAS workspace clears of a capture must not
-race a step's matmuls). Warm-up and prewarm at start still capture before the first request.
+engine calls before_step() once per step, on its step thread, and that runs bounded units of
+work of the decode or the prefill capture in flight (taking turns, one unit at a time) as the
+pacing allows (graphguard/engine/capture_pacing.py: none while requests wait for their first
+token, within a bound; else up to a time slice), so no capture overlaps a step (the cuBLAS
+workspace clears of a capture must not race a step's matmuls). Warm-up and prewarm at start
+still capture before the first request.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from graphguard.core.base import kill_switch_on
 from graphguard.core.metrics import GraphMetrics
+from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
 from graphguard.engine.forward import EagerForward
@@ -109,6 +112,7 @@ class EngineGraphs:
             )
         self._eager_prefill = forward.prefill
         self._prefill_turn = False  # whose unit runs when both capture between steps
+        self.pacer = CapturePacer(config.capture_pacing, self.advance_capture)
 
     @property
     def decode_fn(self) -> DecodeGraphs:
@@ -138,6 +142,12 @@ class EngineGraphs:
                 len(batch_sizes) * len(widths),
                 report.seconds,
             )
+
+    def before_step(self, has_pending_prefills: bool) -> None:
+        """Run what the coming step may of the captures in flight (see module docstring).
+        The kill switch is never put off: the next advance cancels them."""
+        if self.has_capture_in_flight:
+            self.pacer.before_step(has_pending_prefills and not kill_switch_on())
 
     def advance_capture(self) -> bool:
         """One unit of work of a capture in flight between steps (decode and prefill take
@@ -176,6 +186,7 @@ class EngineGraphs:
         stats = self.decode.stats()
         stats["enabled"] = True
         stats["reason"] = self.enabled_reason
+        stats["capture_steps_deferred"] = self.pacer.num_deferred_total  # for pending prefills
         stats["prefill"] = self.prefill.stats() if self.prefill is not None else None
         return stats
 

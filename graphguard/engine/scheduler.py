@@ -99,6 +99,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_pending_prefills(self) -> bool:
+        """Whether a request waits for its first token: queued, or prefilling in chunks."""
+        return bool(self.waiting) or not all(_decodes_next(seq) for seq in self.running)
+
     def schedule(self) -> ScheduledBatch:
         """Reserve KV for one step: a decode slot per running sequence done with its prefill,
         the next chunk of each prefill in progress, then new prefills."""

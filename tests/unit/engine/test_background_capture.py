@@ -1,7 +1,8 @@
 """No request waits for a capture: with background capture (the default) a key that traffic
-earns is captured between steps, one unit of work per step, while its steps run eagerly with
-`capture_in_progress`; the graph replays once admitted; reload and shutdown cancel a capture in
-flight. The captures here are made slow on purpose (SimBackend.capture sleeps)."""
+earns is captured between steps, in units of work, while its steps run eagerly with
+`capture_in_progress`; no unit runs in a step that prefills a waiting request (within a bound);
+the graph replays once admitted; reload and shutdown cancel a capture in flight. The captures
+here are made slow on purpose (SimBackend.capture sleeps)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from graphguard.core.sim import SimBackend
+from graphguard.engine.capture_pacing import CapturePacing
+from graphguard.engine.config import GraphConfig
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
@@ -170,5 +173,58 @@ def test_without_background_capture_the_earning_step_captures_in_place(tiny, slo
         stats = engine.graphs.stats()
         assert "capture_in_progress" not in stats["fallbacks"] and stats["captures"] == 1
         assert not engine.has_capture_in_flight()
+    finally:
+        engine.shutdown()
+
+
+def test_no_unit_runs_in_a_step_that_prefills_a_waiting_request(tiny, slow_capture):
+    engine = make_engine(tiny, graph_backend="sim", prefill_graphs=False)
+    try:
+        add(engine, "a")
+        step_until_capture_in_flight(engine)  # its next unit is the (slow) capture
+        backend = engine.graphs.decode.runner.backend
+        captures = backend.num_captures
+        add(engine, "b")
+        outputs = engine.step()
+        assert [out.request_id for out in outputs if out.new_token_ids] == ["a", "b"]
+        assert backend.num_captures == captures  # b's first token did not wait for it
+        engine.step()  # nothing pending: the capture goes on
+        assert backend.num_captures == captures + 1
+        assert engine.graphs.stats()["capture_steps_deferred"] == 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_queue_that_never_empties_puts_a_capture_off_a_bounded_number_of_steps(
+    tiny, slow_capture
+):
+    pacing = GraphConfig(capture_pacing=CapturePacing(max_deferred_steps=2))
+    engine = make_engine(
+        tiny, graph_backend="sim", prefill_graphs=False, max_num_seqs=1, graphs=pacing
+    )
+    try:
+        add(engine, "a", max_tokens=20)
+        step_until_capture_in_flight(engine)
+        backend = engine.graphs.decode.runner.backend
+        captures = backend.num_captures
+        add(engine, "b")  # waits behind "a" (one sequence at a time)
+        counts = []
+        for _ in range(3):
+            engine.step()
+            counts.append(backend.num_captures - captures)
+        assert counts == [0, 0, 1]
+    finally:
+        engine.shutdown()
+
+
+def test_short_units_of_a_step_run_together_within_its_slice(tiny):
+    whole = GraphConfig(capture_pacing=CapturePacing(slice_ms=1e6))
+    engine = make_engine(tiny, graph_backend="sim", prefill_graphs=False, graphs=whole)
+    try:
+        add(engine, "a")
+        step_until_capture_in_flight(engine)
+        engine.step()  # the whole capture, every unit, before this step
+        stats = engine.graphs.stats()
+        assert stats["captures"] == 1 and stats["background_units"] >= 2
     finally:
         engine.shutdown()
