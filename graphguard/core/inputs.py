@@ -129,7 +129,6 @@ def copy_inputs(
         # asynchronous copy; wait for it before the host overwrites the buffer.
         entry.wait_staging()
     padded = plan.rows is None or plan.rows == plan.padded_rows
-    whole: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for position, arg in enumerate(args):
         if not isinstance(arg, torch.Tensor):
             continue
@@ -139,13 +138,9 @@ def copy_inputs(
             _fill(staging, arg, None if padded or arg.dim() == 0 else plan.rows, buckets, position)
             static.copy_(staging, non_blocking=True)
         elif padded or arg.dim() == 0:
-            whole[0].append(static)  # the common case: the call fills its bucket
-            whole[1].append(arg)
+            static.copy_(arg)  # the common case: the call fills its bucket
         else:
             _fill(static, arg, plan.rows, buckets, position)
-    if whole[0]:
-        # NOTE: one call (a multi-tensor copy per dtype on CUDA) instead of one per input
-        torch._foreach_copy_(*whole)
 
 
 def _fill(

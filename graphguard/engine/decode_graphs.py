@@ -71,6 +71,9 @@ class DecodeGraphs:
             retain=(forward.kv, forward.model),
             metrics=metrics,
             name="decode",
+            # NOTE: the logits are views of the graph's output, valid until its next replay:
+            # the step samples from them before it returns (no copy of [B, vocab] per step).
+            copy_outputs=False,
             # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
             # values): it reads and writes only the dummy block, never a live sequence's KV.
             background=background,
