@@ -31,7 +31,14 @@ from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
 from graphguard.core.backends import Backend
 from graphguard.core.cache import GraphCache
 from graphguard.core.capture_flow import C, CaptureFlow, CaptureMode, E
-from graphguard.core.decisions import Action, Agreement, Decision, RankDivergence, SoloAgreement
+from graphguard.core.decisions import (
+    Action,
+    Agreement,
+    Decision,
+    Orders,
+    RankDivergence,
+    SoloAgreement,
+)
 from graphguard.core.following import Following
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
@@ -70,6 +77,7 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         enabled: bool,
         background: bool = False,
         agreement: Agreement | None = None,
+        orders: Orders | None = None,
     ):
         self.name = name
         self.verify = verify
@@ -82,6 +90,7 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         self.enabled = enabled
         self.background = background  # capture between calls (advance_capture), not in them
         self.agreement = agreement if agreement is not None else SoloAgreement()
+        self.orders = orders  # None: this runner decides; else a leader's or follower's orders
         self.metrics = metrics if metrics is not None else GraphMetrics()
         self.policy = AdmissionPolicy(admission or AdmissionConfig(), clock)
         self._cache: GraphCache[E] = GraphCache(max_bytes, on_evict=self._on_evict)
@@ -97,6 +106,8 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
     # -- the flow of a call ----------------------------------------------------------------
     def _run(self, call: C) -> Any:
         """Replay the graph `call` maps to, or answer it eagerly with exactly one reason."""
+        if self.orders is not None:  # a tensor-parallel rank (graphguard.core.decisions)
+            return self.orders.on_call(self, call)
         reason = self._gate()
         if reason is None:
             plan = self._plan(call)

@@ -29,6 +29,7 @@ from graphguard.core.decisions import (
     Action,
     Agreement,
     Decision,
+    Orders,
     RankDivergence,
     Verified,
     next_unit,
@@ -83,6 +84,7 @@ class CaptureFlow(ABC, Generic[E, C]):
     _num_units: int  # units of captures between calls run so far
     _max_unit_s: float  # the longest of them
     agreement: Agreement  # how ranks agree on each unit of capture work (one process: itself)
+    orders: Orders | None  # where decisions come from on a tensor-parallel rank
 
     # -- capturing -------------------------------------------------------------------------
     def _capture(self, call: C, plan: CallPlan, mode: CaptureMode) -> Outcome:
@@ -188,6 +190,8 @@ class CaptureFlow(ABC, Generic[E, C]):
         """Run the next unit of the capture in flight between calls, if any. Call it between
         calls (the engine: once per step, on its step thread). Returns True while a capture
         remains in flight. The kill switch, a disabled or a closed runner cancel it."""
+        if self.orders is not None:  # a tensor-parallel rank (graphguard.core.decisions)
+            return self.orders.between_calls(self)  # type: ignore[arg-type]
         with self._lock:
             return self._advance(self._advance_decision())
 

@@ -17,7 +17,7 @@ charges, so the budget holds on every rank and the caches evict alike.
 from __future__ import annotations
 
 import enum
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -119,3 +119,50 @@ def vote_of(resident_bytes: int, verified: Verified | None) -> Vote:
     reason = verified[2] if verified is not None else None
     outcome = OUTCOMES[reason] if reason is not None else None
     return Vote(outcome, resident_bytes, verified is not None)
+
+
+class Follows(Protocol):
+    """What orders drive: a runner's decide() / follow() pairs (graphguard.core.following)."""
+
+    def decide(self, call: Any) -> Decision: ...
+    def follow(self, call: Any, decision: Decision) -> Any: ...
+    def decide_between_calls(self) -> Decision: ...
+    def follow_between_calls(self, decision: Decision) -> bool: ...
+
+
+class Orders(Protocol):
+    """Where a runner's decisions come from under tensor parallelism (None: it decides)."""
+
+    def on_call(self, runner: Follows, call: Any) -> Any: ...
+    def between_calls(self, runner: Follows) -> bool: ...
+
+
+class LeaderOrders:
+    """Rank 0: decide, send the decision to the followers, carry it out."""
+
+    def __init__(self, send: Callable[[Decision], None]) -> None:
+        self._send = send
+
+    def on_call(self, runner: Follows, call: Any) -> Any:
+        decision = runner.decide(call)
+        self._send(decision)
+        return runner.follow(call, decision)
+
+    def between_calls(self, runner: Follows) -> bool:
+        decision = runner.decide_between_calls()
+        self._send(decision)
+        return runner.follow_between_calls(decision)
+
+
+class FollowerOrders:
+    """Rank > 0: carry out the leader's decision for each call. Decisions between calls are
+    the follower loop's to receive and hand to `follow_between_calls`."""
+
+    def __init__(self, receive: Callable[[], Decision]) -> None:
+        self._receive = receive
+
+    def on_call(self, runner: Follows, call: Any) -> Any:
+        return runner.follow(call, self._receive())
+
+    def between_calls(self, runner: Follows) -> bool:
+        raise RankDivergence("a follower's runner advances captures only on its leader's order")

@@ -25,6 +25,7 @@ from graphguard.core.backends import Backend, CaptureError
 from graphguard.core.background import CaptureUnits
 from graphguard.core.base import RunnerBase, WarmupReport
 from graphguard.core.capture_flow import CaptureMode, Verified
+from graphguard.core.decisions import Agreement, Orders
 from graphguard.core.entry import EntryInfo, GraphEntry
 from graphguard.core.export import ManifestSource, export_manifest
 from graphguard.core.inputs import (
@@ -84,6 +85,8 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
             runner calls advance_capture() between calls, one bounded unit of work each time.
         examples: inputs of a key for a capture between calls (`examples(key)` -> arguments);
             default: every row padding (needs buckets).
+        agreement, orders: a tensor-parallel rank's (graphguard.core.decisions); None: one
+            process that decides and agrees with itself.
     """
 
     def __init__(
@@ -109,6 +112,8 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         enabled: bool = True,
         background: bool = False,
         examples: Callable[[GraphKey], Sequence[Any]] | None = None,
+        agreement: Agreement | None = None,
+        orders: Orders | None = None,
     ):
         if background and buckets is None and examples is None:
             raise ValueError(
@@ -129,6 +134,8 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
             clock=clock,
             enabled=enabled,
             background=background,
+            agreement=agreement,
+            orders=orders,
         )
         self.fn = fn
         self.examples = examples

@@ -137,6 +137,10 @@ class EngineConfig:
     # the decoder's kernel set: "auto" (fused Triton kernels on CUDA in half precision, else
     # the plain PyTorch ops), "torch" or "triton" (graphguard/kernels)
     kernels: str = "auto"
+    # ranks of tensor parallelism, one process (and GPU) each (graphguard/engine/parallel)
+    tensor_parallel_size: int = 1
+    # how long a rank waits on the others in a collective before serving ends with an error
+    collective_timeout_s: float = 120.0
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
@@ -145,6 +149,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1 or self.collective_timeout_s <= 0:
+            raise ValueError("tensor_parallel_size must be >= 1 and collective_timeout_s > 0")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         # One decode token for every running sequence must fit one step's token budget;

@@ -29,6 +29,7 @@ from graphguard.core.runner import GraphRunner, WarmupReport
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.kv import PagedKVStorage, width_bucket
+from graphguard.engine.parallel.ranks import RankRole
 
 log = logging.getLogger("graphguard")
 
@@ -54,6 +55,7 @@ class DecodeGraphs:
         verify: str = "exact",
         reverify_every: int = 0,
         background: bool = False,
+        role: RankRole | None = None,
     ) -> None:
         self.metrics = metrics
         self.kv_bytes = forward.kv.kv_bytes
@@ -77,6 +79,9 @@ class DecodeGraphs:
             # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
             # values): it reads and writes only the dummy block, never a live sequence's KV.
             background=background,
+            # a tensor-parallel rank's: rank 0 decides, every rank follows and agrees
+            agreement=role.agreement if role is not None else None,
+            orders=role.orders if role is not None else None,
         )
 
     def __call__(

@@ -24,6 +24,7 @@ from graphguard.engine.graphs import EngineGraphs, build_graphs
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
+from graphguard.engine.parallel.ranks import LeaderLink
 from graphguard.engine.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -71,9 +72,16 @@ def resolve_device(name: str) -> torch.device:
 class LLMEngine:
     """Continuous-batching engine over one loaded model and one paged KV pool."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        link: LeaderLink | None = None,
+    ) -> None:
         self.config = config
         self.lifecycle_lock = threading.RLock()
+        # rank 0 of tensor-parallel ranks (graphguard/engine/parallel): `loaded` is its shard
+        self.link = link
         if loaded is None:
             device = resolve_device(config.device)
             dtype = resolve_dtype(config.dtype, device)
@@ -105,6 +113,7 @@ class LLMEngine:
                 loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
             ),
             warmup_keys=warmup_shapes(config, self.max_model_len),
+            role=link.role if link is not None else None,
         )
         # when the capability proof passes; else why decode runs eagerly
         self.graphs: EngineGraphs | None = built if isinstance(built, EngineGraphs) else None
@@ -280,6 +289,8 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
+            if self.link is not None:
+                self.link.send_batch(batch)  # the followers run the same batch on their shards
             try:
                 logits = self.runner.run(batch)
             except BaseException:
@@ -486,6 +497,8 @@ class LLMEngine:
             self._seqs.clear()
             self._detokenizers.clear()
             self._pending.clear()
+            if self.link is not None:
+                self.link.send_shutdown()
             graphs, self.graphs = self.graphs, None
             if graphs is not None:
                 graphs.close()  # closed runners run eagerly if called; no step runs from here

@@ -30,6 +30,7 @@ from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
 from graphguard.engine.forward import EagerForward
+from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger("graphguard")
@@ -80,6 +81,7 @@ class EngineGraphs:
         forward: EagerForward,
         device: torch.device,
         model_identity: dict[str, Any],
+        role: RankRole | None = None,
     ) -> None:
         self.config = config
         self.enabled_reason = GraphCapability.ENABLED.value
@@ -97,9 +99,12 @@ class EngineGraphs:
             verify=config.verify,
             reverify_every=config.reverify_every,
             background=config.background_capture,
+            role=role,
         )
         self.prefill: PrefillGraphs | None = None
-        if config.prefill:
+        # NOTE: a tensor-parallel rank prefills eagerly: only decode graphs follow rank 0's
+        # decisions so far (docs/parallel.md).
+        if config.prefill and role is None:
             self.prefill = PrefillGraphs(
                 forward,
                 max_bytes=config.max_bytes,
@@ -199,6 +204,7 @@ def build_graphs(
     device: torch.device,
     model_identity: dict[str, Any],
     warmup_keys: tuple[list[int], list[int]],
+    role: RankRole | None = None,
 ) -> EngineGraphs | GraphCapability:
     """The engine's graphs, started, when the capability check passes; else why not."""
     capability = check_capability(config, forward, scheduler_kv, device)
@@ -207,7 +213,7 @@ def build_graphs(
         if config.manifest:
             log.info("graphguard manifest %s unused: graphs off", config.manifest)
         return capability
-    graphs = EngineGraphs(config, forward, device, model_identity)
+    graphs = EngineGraphs(config, forward, device, model_identity, role)
     log.info(
         "graphguard decode graphs on: backend=%s buckets=%s budget=%d bytes",
         config.backend,

@@ -23,6 +23,7 @@ from graphguard.server.config import ServerConfig
 from graphguard.server.flags import add_flags, configs_from_args, format_bytes
 
 if TYPE_CHECKING:
+    from graphguard.engine.config import EngineConfig
     from graphguard.engine.engine import LLMEngine
 
 logger = logging.getLogger("graphguard.server")
@@ -93,12 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     # which bitwise parity between a graph and eager relies on (docs/runtime.md).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # Imported here: `--help` must not pay for torch, transformers and FastAPI.
-    from graphguard.engine.engine import LLMEngine
     from graphguard.server.app import build_app
 
     logger.info("loading %s", config.model_name)
     try:
-        engine = LLMEngine(config.engine)
+        engine = build_engine(config.engine)
     except ValueError as exc:  # a setting the model or the memory cannot honour
         logger.error("cannot start: %s", exc)
         return 2
@@ -109,6 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                 config.model_name)  # fmt: skip
     logger.info("%s", describe_access(config))
     return serve(app, config)
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """One process's engine, or rank 0's of `tensor_parallel_size` ranks (the others start
+    as child processes and end with it)."""
+    from graphguard.engine.engine import LLMEngine
+    from graphguard.engine.parallel.launch import start_ranks
+
+    if config.tensor_parallel_size == 1:
+        return LLMEngine(config)
+    return start_ranks(config)[0]
 
 
 def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:

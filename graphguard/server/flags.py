@@ -134,6 +134,19 @@ FLAGS: dict[str, Flag] = {
         "or auto, triton on CUDA in bfloat16/float16 (default: {default})",
         choices=KERNEL_CHOICES,
     ),
+    "tensor_parallel_size": Flag(
+        "engine",
+        "ranks of tensor parallelism, one process and one GPU each; rank 0 serves, every rank "
+        "follows its graph decisions (docs/parallel.md) (default: {default})",
+        type=int,
+        metavar="N",
+    ),
+    "collective_timeout_s": Flag(
+        "engine",
+        "seconds a rank waits on the others before serving ends with an error (default: {default})",
+        type=float,
+        metavar="S",
+    ),
     "enforce_eager": Flag(
         "engine", "run decode and prefill eagerly, never through CUDA graphs", switch=True
     ),

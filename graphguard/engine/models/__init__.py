@@ -17,6 +17,7 @@ from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.config import ModelConfig
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from graphguard.engine.parallel.layers import ModelShard, VocabParallelEmbedding
 from graphguard.kernels import TorchKernels
 
 # arch -> "module:class"; imported on first use so each family stays in its own file.
@@ -29,14 +30,27 @@ _FAMILIES = {
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; families supply the layers.
 
-    Parameter names match Hugging Face checkpoints without their ``model.`` prefix.
+    Parameter names match Hugging Face checkpoints without their ``model.`` prefix. With a
+    `shard` the model is one tensor-parallel rank's (graphguard.engine.parallel.shard): `config`
+    holds the rank's heads and MLP columns, and the embedding, LM head, o_proj and down_proj
+    are the parallel layers that call the shard's collectives.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ModelShard | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard = shard
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size)
+            if shard is None
+            else shard.embedding(config.hidden_size)
+        )
         self.layers = nn.ModuleList(self.make_layer(config) for _ in range(config.num_layers))
+        if shard is not None:
+            for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
+                layer.self_attn.o_proj = shard.row_parallel(layer.self_attn.o_proj)
+                layer.mlp.down_proj = shard.row_parallel(layer.mlp.down_proj)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         # Tied checkpoints have no separate head: compute_logits reads the embedding.
@@ -44,6 +58,8 @@ class DecoderModel(nn.Module):
             None
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if shard is None
+            else shard.lm_head(config.hidden_size)
         )
         self.kernels = TorchKernels()
 
@@ -82,7 +98,10 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
+        if self.shard is not None:  # this rank's vocabulary rows: gather every rank's
+            logits = self.shard.gather_vocab(logits)
+        return logits.float()
 
 
 def model_class(arch: str) -> type[DecoderModel]:

@@ -1,0 +1,119 @@
+"""Scenarios that rank 0 of two CPU ranks (gloo, SimBackend) runs for test_parallel.py.
+
+Each runs in a spawned process (so no test process joins a process group) and puts what it saw
+on a queue: rank 0's tokens, logits and graph stats, and rank 1's graph stats from shutdown.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.engine.config import EngineConfig, GraphConfig
+from graphguard.engine.sampling import SamplingParams
+
+PROMPT = "The capital of France is"
+NUM_TOKENS = 6
+
+
+def tp_config(**graphs: Any) -> EngineConfig:
+    settings = {"backend": "sim", "prefill": False, "background_capture": False}
+    settings.update(admission=AdmissionConfig(min_hits=1), batch_buckets=(1, 2))
+    return EngineConfig(
+        max_model_len=128,
+        max_num_seqs=2,
+        num_kv_blocks=32,
+        tensor_parallel_size=2,
+        collective_timeout_s=20.0,
+        graphs=GraphConfig(**{**settings, **graphs}),
+    )
+
+
+def greedy_logprobs(engine: Any, prompt: str = PROMPT) -> tuple[list[int], list[float]]:
+    """Greedy tokens of `prompt` and each one's log probability."""
+    ids = engine.tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    engine.add_request(prompt, ids, params)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+    return tokens, logprobs
+
+
+def greedy(engine: Any, prompt: str = PROMPT) -> list[int]:
+    return greedy_logprobs(engine, prompt)[0]
+
+
+def run_leader(scenario: str, queue: Any, env: dict[str, str]) -> None:
+    """Rank 0 in this process: start both ranks, run `scenario`, report, shut down."""
+    from graphguard.engine.parallel.launch import start_ranks
+
+    os.environ.update(env)
+    config = SCENARIO_CONFIGS.get(scenario, tp_config)()
+    engine, followers = start_ranks(config, FOLLOWERS.get(scenario))
+    try:
+        report = SCENARIOS[scenario](engine, followers)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        report = {"error": f"{type(exc).__name__}: {exc}"}
+    engine.shutdown()
+    followers.join(10.0)
+    report["follower_reports"] = engine.link.follower_reports
+    report["exit_codes"] = [p.exitcode for p in followers.processes]
+    queue.put(report)
+
+
+def generate(engine: Any, followers: Any) -> dict[str, Any]:
+    tokens, logprobs = greedy_logprobs(engine)
+    stats = engine.graphs.stats() if engine.graphs else None
+    return {"tokens": tokens, "logprobs": logprobs, "leader": stats}
+
+
+def kill_switch_midway(engine: Any, followers: Any) -> dict[str, Any]:
+    greedy(engine)
+    os.environ["GRAPHGUARD_DISABLE"] = "1"  # rank 0's environment only
+    tokens = greedy(engine, "1, 2, 3, 4,")
+    return {"tokens": tokens, "leader": engine.graphs.stats()}
+
+
+def follower_crash(engine: Any, followers: Any) -> dict[str, Any]:
+    greedy(engine)
+    followers.processes[0].kill()
+    followers.processes[0].join(10.0)
+    try:
+        greedy(engine, "1, 2, 3, 4,")
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+def failing_follower(rank: int, setup: Any) -> None:
+    """A follower whose captures fail once their function has run (as a CUDA capture that
+    fails at its end: its collectives were recorded, so no rank is left waiting)."""
+    from graphguard.core.backends import CaptureError
+    from graphguard.core.sim import SimBackend
+    from graphguard.engine.parallel.launch import follower_main
+
+    original = SimBackend.capture
+
+    def capture(self: SimBackend, *args: Any, **kwargs: Any) -> Any:
+        original(self, *args, **kwargs)
+        raise CaptureError(f"injected on rank {rank}")
+
+    SimBackend.capture = capture  # type: ignore[method-assign]
+    follower_main(rank, setup)
+
+
+FOLLOWERS = {"capture_fails_on_rank_1": failing_follower}
+
+SCENARIOS = {
+    "generate": generate,
+    "capture_fails_on_rank_1": generate,
+    "small_budget": generate,
+    "kill_switch_midway": kill_switch_midway,
+    "follower_crash": follower_crash,
+}
+SCENARIO_CONFIGS = {"small_budget": lambda: tp_config(max_bytes=1 << 20)}
