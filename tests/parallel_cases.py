@@ -44,6 +44,18 @@ def greedy_logprobs(engine: Any, prompt: str = PROMPT) -> tuple[list[int], list[
     return tokens, logprobs
 
 
+def greedy_ids(engine: Any, ids: list[int], name: str) -> tuple[list[int], list[float]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
+    engine.add_request(name, ids, params)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            logprobs += [lp.logprob for lp in out.logprobs or []]
+    return tokens, logprobs
+
+
 def greedy(engine: Any, prompt: str = PROMPT) -> list[int]:
     return greedy_logprobs(engine, prompt)[0]
 
@@ -54,7 +66,7 @@ def run_leader(scenario: str, queue: Any, env: dict[str, str]) -> None:
 
     os.environ.update(env)
     config = SCENARIO_CONFIGS.get(scenario, tp_config)()
-    engine, followers = start_ranks(config, FOLLOWERS.get(scenario))
+    engine, followers = start_ranks(config, FOLLOWERS.get(scenario), LOADERS.get(scenario))
     try:
         report = SCENARIOS[scenario](engine, followers)
     except Exception as exc:  # noqa: BLE001 - the test reads the message
@@ -109,11 +121,66 @@ def failing_follower(rank: int, setup: Any) -> None:
 
 FOLLOWERS = {"capture_fails_on_rank_1": failing_follower}
 
+
+def random_qwen3() -> Any:
+    """Qwen3-0.6B shapes, seeded random bf16 weights, on the CPU (every rank builds the same)."""
+    import torch
+
+    from bench.decode import NumberTokenizer
+    from graphguard.engine.config import PRESETS
+    from graphguard.engine.loader import LoadedModel
+    from graphguard.engine.models import build_model
+
+    config = PRESETS["qwen3-0.6b"]
+    model = build_model(config, dtype=torch.bfloat16, device="cpu", seed=0)
+    return LoadedModel("qwen3-0.6b", model, config, NumberTokenizer(config))
+
+
+def gpu_config() -> EngineConfig:
+    graphs = GraphConfig(
+        backend="cuda", prefill=False, background_capture=False, batch_buckets=(1, 2, 4)
+    )
+    return EngineConfig(
+        max_model_len=128, max_num_seqs=4, num_kv_blocks=64, tensor_parallel_size=2,
+        collective_timeout_s=60.0, kernels="auto", graphs=graphs,
+    )  # fmt: skip
+
+
+def graphs_then_eager(engine: Any, followers: Any) -> dict[str, Any]:
+    """The same greedy requests replayed from graphs, then eagerly (rank 0's kill switch)."""
+    ids = [11, 22, 33, 44, 55, 66, 77, 88]
+    greedy_ids(engine, ids, "earn")  # the key earns its capture (min_hits) here
+    graphs = greedy_ids(engine, ids, "graphs")
+    os.environ["GRAPHGUARD_DISABLE"] = "1"
+    eager = greedy_ids(engine, ids, "eager")
+    return {"graphs": graphs, "eager": eager, "leader": engine.graphs.stats()}
+
+
+def gpu_follower_crash(engine: Any, followers: Any) -> dict[str, Any]:
+    ids = [11, 22, 33, 44]
+    greedy_ids(engine, ids, "before")
+    followers.processes[0].kill()
+    followers.processes[0].join(10.0)
+    try:
+        greedy_ids(engine, ids, "after")
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+LOADERS = {"gpu_graphs_then_eager": random_qwen3, "gpu_follower_crash": random_qwen3}
+
 SCENARIOS = {
     "generate": generate,
     "capture_fails_on_rank_1": generate,
     "small_budget": generate,
     "kill_switch_midway": kill_switch_midway,
     "follower_crash": follower_crash,
+    "gpu_graphs_then_eager": graphs_then_eager,
+    "gpu_follower_crash": gpu_follower_crash,
 }
-SCENARIO_CONFIGS = {"small_budget": lambda: tp_config(max_bytes=1 << 20)}
+SCENARIO_CONFIGS = {
+    "small_budget": lambda: tp_config(max_bytes=1 << 20),
+    "gpu_graphs_then_eager": gpu_config,
+    "gpu_follower_crash": gpu_config,
+}

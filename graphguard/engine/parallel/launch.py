@@ -53,6 +53,9 @@ class RankSetup:
     world_size: int
     port: int
     timeout_s: float
+    # the whole model on the CPU (a picklable function, run on every rank; None: load_model
+    # of config.model): benchmarks give random weights of a preset's shapes, seeded alike
+    load_whole: Callable[[], LoadedModel] | None = None
 
 
 class FollowerProcesses:
@@ -75,12 +78,14 @@ class FollowerProcesses:
 
 
 def start_ranks(
-    config: EngineConfig, follower: Callable[[int, RankSetup], None] | None = None
+    config: EngineConfig,
+    follower: Callable[[int, RankSetup], None] | None = None,
+    load_whole: Callable[[], LoadedModel] | None = None,
 ) -> tuple[LLMEngine, FollowerProcesses]:
     """Rank 0's engine over its shard, with ranks 1..N-1 running `follower` (default:
     follower_main; tests inject faults through their own) (see module docstring)."""
     world_size = config.tensor_parallel_size
-    setup = RankSetup(config, world_size, _free_port(), config.collective_timeout_s)
+    setup = RankSetup(config, world_size, _free_port(), config.collective_timeout_s, load_whole)
     os.environ.update(RANK_ENV)  # NOTE: before spawning: the followers inherit it
     context = mp.get_context("spawn")
     processes = [
@@ -147,7 +152,10 @@ def join_group(rank: int, setup: RankSetup) -> tuple[Any, torch.device]:
 def load_shard(setup: RankSetup, rank: int, device: torch.device) -> LoadedModel:
     """The whole model loaded on the CPU, this rank's shard of it on `device`."""
     dtype = resolve_dtype(setup.config.dtype, device)
-    whole = load_model(setup.config.model, dtype=dtype, device="cpu", progress=rank == 0)
+    if setup.load_whole is not None:
+        whole = setup.load_whole()
+    else:
+        whole = load_model(setup.config.model, dtype=dtype, device="cpu", progress=rank == 0)
     shard: ModelShard = model_shard(whole.config, setup.world_size, rank, None)
     weights = whole.model.state_dict()
     model = build_shard(whole.config, weights, shard, dtype=dtype, device=device)
