@@ -139,7 +139,8 @@ def _attention(index: int, layer: DecoderLayer) -> Any:
 
 def _post_attention(model: DecoderModel, layer: DecoderLayer) -> Any:
     def post(residual: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
-        h, residual = layer.mlp_block(layer.self_attn.project_out(out), residual, model.kernels)
+        attn_out = layer.self_attn.project_out(out, model.kernels)
+        h, residual = layer.mlp_block(attn_out, residual, model.kernels)
         return h, residual, cos, sin
 
     return post

@@ -1,12 +1,14 @@
 """The fused kernel set: Triton kernels for the decoder's norms, RoPE, MLP activation and paged
 decode attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights concatenated at
-load). Everything else, and prefill attention (SDPA's flash kernels), is the reference's."""
+load; up to 16 rows, a Triton kernel made for few rows). Everything else, and prefill attention
+(SDPA's flash kernels), is the reference's."""
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor
 
-from graphguard.kernels import triton_decode, triton_mlp, triton_norm, triton_rope
+from graphguard.kernels import triton_decode, triton_linear, triton_mlp, triton_norm, triton_rope
 from graphguard.kernels.reference import HeadShape, QKNorm, TorchKernels
 
 
@@ -14,6 +16,13 @@ class TritonKernels(TorchKernels):
     """About nine kernels per decoder layer in decode (the reference set launches 30-50)."""
 
     name = "triton"
+
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
+        # one of the same bucket run the same kernel.
+        if triton_linear.can_take(x, weight):
+            return triton_linear.few_rows_linear(x, weight)
+        return F.linear(x, weight)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return triton_norm.rms_norm(x, weight, eps)

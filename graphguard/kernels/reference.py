@@ -100,6 +100,10 @@ class TorchKernels:
 
     name = "torch"
 
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """``x [M, K] @ weight[N, K].T`` (no bias)."""
+        return F.linear(x, weight)
+
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return rms_norm(x, weight, eps)
 

@@ -114,20 +114,20 @@ class GQAAttention(nn.Module):
         """Per-head q/k norm weights for families that norm q and k before RoPE (None here)."""
         return None
 
-    def qkv(self, x: Tensor) -> Tensor:
+    def qkv(self, x: Tensor, kernels: TorchKernels) -> Tensor:
         """x ``[T, hidden]`` -> fused q/k/v rows ``[T, (Hq + 2 Hkv) * D]``."""
         if self.qkv_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
-        return torch.nn.functional.linear(x, self.qkv_weight)
+        return kernels.linear(x, self.qkv_weight)
 
     def project_qkv(
         self, x: Tensor, rope: Rope, kernels: TorchKernels
     ) -> tuple[Tensor, Tensor, Tensor]:
         """x ``[T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
-        return kernels.rope_qkv(self.qkv(x), *rope, self.heads, self.qk_norm())
+        return kernels.rope_qkv(self.qkv(x, kernels), *rope, self.heads, self.qk_norm())
 
-    def project_out(self, out: Tensor) -> Tensor:
-        return self.o_proj(out.reshape(out.shape[0], -1))
+    def project_out(self, out: Tensor, kernels: TorchKernels) -> Tensor:
+        return kernels.linear(out.reshape(out.shape[0], -1), self.o_proj.weight)
 
     def forward(
         self,
@@ -142,11 +142,11 @@ class GQAAttention(nn.Module):
             write_kv(*kv_cache, k, v, meta.slot_mapping)
             out = paged_prefill_attention(q, k, v, *kv_cache, meta, self.scale)
         else:
-            qkv, norm, slots = self.qkv(x), self.qk_norm(), meta.slot_mapping
+            qkv, norm, slots = self.qkv(x, kernels), self.qk_norm(), meta.slot_mapping
             q = kernels.rope_qkv_write(qkv, *rope, self.heads, norm, kv_cache, slots)
             tables, lens = meta.block_tables, meta.seq_lens
             out = kernels.decode_attention(q, kv_cache, tables, lens, self.scale)
-        return self.project_out(out)
+        return self.project_out(out, kernels)
 
 
 class SwiGLUMLP(nn.Module):
@@ -168,8 +168,8 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: Tensor, kernels: TorchKernels) -> Tensor:
         if self.gate_up_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
-        gate_up = torch.nn.functional.linear(x, self.gate_up_weight)
-        return self.down_proj(kernels.silu_mul(gate_up))
+        gate_up = kernels.linear(x, self.gate_up_weight)
+        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):

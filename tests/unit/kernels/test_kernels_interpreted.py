@@ -15,7 +15,13 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
 pytest.importorskip("triton")
 
-from graphguard.kernels import triton_decode, triton_mlp, triton_norm, triton_rope  # noqa: E402
+from graphguard.kernels import (  # noqa: E402
+    triton_decode,
+    triton_linear,
+    triton_mlp,
+    triton_norm,
+    triton_rope,
+)
 from tests.kernel_cases import (  # noqa: E402
     HEADS,
     REFERENCE,
@@ -44,6 +50,22 @@ def test_add_rms_norm_matches_reference(dtype, num_rows, hidden):
     assert rel_error(out, ref_out) < 2 * TOLERANCE[dtype]
     plain = triton_norm.rms_norm(x, weight, 1e-6)
     assert rel_error(plain, REFERENCE.rms_norm(x.float(), weight.float(), 1e-6)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,outs,ins", [(1, 96, 576), (3, 50, 100), (16, 40, 130)])
+def test_few_rows_linear_matches_reference(dtype, rows, outs, ins):
+    x = torch.randn(rows, ins).to(dtype)
+    weight = (torch.randn(outs, ins) / ins**0.5).to(dtype)
+    expected = REFERENCE.linear(x.float(), weight.float())
+    assert rel_error(triton_linear.few_rows_linear(x, weight), expected) < TOLERANCE[dtype]
+
+
+def test_few_rows_linear_gives_a_row_the_same_bits_in_any_batch():
+    x = torch.randn(16, 200).half()
+    weight = torch.randn(64, 200).half()
+    together = triton_linear.few_rows_linear(x, weight)
+    assert torch.equal(together[:1], triton_linear.few_rows_linear(x[:1], weight))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
