@@ -258,6 +258,8 @@ NOT_FLAGS = {
     "reverify_every": "periodic re-verification is a testing aid (GraphConfig in Python)",
     "admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
     "prefill_admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
+    "capture_pacing": "pacing of captures between steps is a CapturePacing object (GraphConfig "
+    "in Python)",
 }
 _GRAPH_FIELD_SETTING = {field: setting for setting, field in GRAPH_SETTINGS.items()}
 
