@@ -28,7 +28,7 @@ from graphguard.core.reasons import EvictionCause
 from graphguard.core.runner import GraphRunner, WarmupReport
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.forward import EagerForward
-from graphguard.engine.kv import PagedKVStorage, width_bucket
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage, width_bucket
 from graphguard.engine.parallel.ranks import RankRole
 
 log = logging.getLogger("graphguard")
@@ -156,12 +156,13 @@ def warmup_shapes(
     """The decode batch buckets and block-table widths that a server with `config` can run.
 
     Batch buckets stop at the first one that holds max_num_seqs rows; widths are the powers of
-    two up to the padded width of a `max_model_len` sequence (the engine's own, which the
-    model's position limit may make shorter than config.max_model_len).
+    two from MIN_WIDTH_BLOCKS up to the padded width of a `max_model_len` sequence (the
+    engine's own, which the model's position limit may make shorter than
+    config.max_model_len).
     """
     buckets = sorted(config.graphs.batch_buckets)
     cap = next((b for b in buckets if b >= config.max_num_seqs), buckets[-1])
     length = config.max_model_len if max_model_len is None else max_model_len
     max_width = width_bucket(-(-length // config.block_size))
-    widths = [1 << i for i in range(max_width.bit_length())]
+    widths = [1 << i for i in range(max_width.bit_length()) if 1 << i >= MIN_WIDTH_BLOCKS]
     return [b for b in buckets if b <= cap], widths

@@ -78,6 +78,19 @@ class RotaryEmbedding(nn.Module):
         return rows[:, 0], rows[:, 1]
 
 
+class Linear(nn.Linear):
+    """nn.Linear without bias whose GEMM is the kernel set's when one is given (a row-parallel
+    shard's subclass, graphguard/engine/parallel, all-reduces after it)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: Tensor, kernels: TorchKernels | None = None) -> Tensor:
+        if kernels is None:
+            return torch.nn.functional.linear(x, self.weight)
+        return kernels.linear(x, self.weight)
+
+
 def fuse_linears(*linears: nn.Linear) -> Tensor:
     """One weight ``[sum(out), in]`` for linears that read the same input; each linear's weight
     becomes a view of its rows (so copying into it updates the fused weight)."""
@@ -103,7 +116,7 @@ class GQAAttention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_dim, config.hidden_size)
         self.qkv_weight = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -127,7 +140,7 @@ class GQAAttention(nn.Module):
         return kernels.rope_qkv(self.qkv(x, kernels), *rope, self.heads, self.qk_norm())
 
     def project_out(self, out: Tensor, kernels: TorchKernels) -> Tensor:
-        return kernels.linear(out.reshape(out.shape[0], -1), self.o_proj.weight)
+        return self.o_proj(out.reshape(out.shape[0], -1), kernels)
 
     def forward(
         self,
@@ -158,7 +171,7 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size)
         self.gate_up_weight = None  # set by fuse()
 
     def fuse(self) -> None:
@@ -169,7 +182,7 @@ class SwiGLUMLP(nn.Module):
         if self.gate_up_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
         gate_up = kernels.linear(x, self.gate_up_weight)
-        return kernels.linear(kernels.silu_mul(gate_up), self.down_proj.weight)
+        return self.down_proj(kernels.silu_mul(gate_up), kernels)
 
 
 class DecoderLayer(nn.Module):

@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from graphguard.engine.models.layers import Linear
+from graphguard.kernels import TorchKernels
+
 
 @dataclass(frozen=True)
 class ModelShard:
@@ -49,16 +52,16 @@ class ModelShard:
         return RowParallelLinear(self, linear.in_features, linear.out_features)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear over this rank's slice of the input features; the partial sums all-reduced.
     Its weight keeps the checkpoint's name (`o_proj.weight`), holding the rank's columns."""
 
     def __init__(self, shard: ModelShard, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+        super().__init__(in_features, out_features)
         self.shard = shard
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.shard.all_reduce(super().forward(x))
+    def forward(self, x: Tensor, kernels: TorchKernels | None = None) -> Tensor:
+        return self.shard.all_reduce(super().forward(x, kernels))
 
 
 class VocabParallelEmbedding(nn.Module):

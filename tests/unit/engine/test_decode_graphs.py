@@ -9,7 +9,7 @@ from graphguard.engine.config import GraphConfig, engine_config
 from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
-from graphguard.engine.kv import PagedKVStorage, width_bucket
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage, width_bucket
 from graphguard.engine.model_runner import prefill_token_bucket
 from graphguard.engine.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
@@ -219,13 +219,13 @@ def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
     )
     batch_sizes, widths = warmup_shapes(config)
     # 5 rows pad up to 8, so 16 is never used; 100 tokens fill 7 blocks, padded to width 8.
-    assert batch_sizes == [1, 2, 4, 8] and widths == [1, 2, 4, 8]
+    assert batch_sizes == [1, 2, 4, 8] and widths == [MIN_WIDTH_BLOCKS] == [8]
     for length in range(1, config.max_model_len + 1):
         assert width_bucket(-(-length // config.block_size)) in widths
-    wide = engine_config(max_num_seqs=40, max_model_len=64, batch_buckets=(1, 16))
-    assert warmup_shapes(wide) == ([1, 16], [1, 2, 4])
+    wide = engine_config(max_num_seqs=40, max_model_len=600, batch_buckets=(1, 16))
+    assert warmup_shapes(wide) == ([1, 16], [8, 16, 32, 64])
     # The engine's own limit (the model's positions) bounds the widths, not the config's.
-    assert warmup_shapes(wide, max_model_len=16) == ([1, 16], [1])
+    assert warmup_shapes(wide, max_model_len=200) == ([1, 16], [8, 16])
 
 
 def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded_model):
@@ -234,12 +234,13 @@ def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded
     eager = make_engine(embedded_model, enforce_eager=True, max_model_len=16)
     try:
         before = engine.graphs.stats()
-        # Buckets 1, 2, 4 (max_num_seqs 4) by widths 1, 2, 4 (16 tokens in blocks of 4).
-        assert before["entries"] == before["captures"] == 9
+        # Buckets 1, 2, 4 (max_num_seqs 4) by one width: 16 tokens in blocks of 4 fill 4
+        # blocks, under the narrowest table (MIN_WIDTH_BLOCKS).
+        assert before["entries"] == before["captures"] == 3
         assert before["replays"] == 0 and engine.kv.num_used_blocks == 0
         assert generate(engine) == generate(eager)
         after = engine.graphs.stats()
-        assert after["captures"] == 9 and after["replays"] > 0 and after["fallbacks"] == {}
+        assert after["captures"] == 3 and after["replays"] > 0 and after["fallbacks"] == {}
     finally:
         engine.shutdown()
         eager.shutdown()
@@ -294,3 +295,9 @@ def test_prefill_padding_writes_only_the_dummy_block(embedded_model):
         assert changed - dummy_slots == prompt_slots and changed & dummy_slots
     finally:
         engine.shutdown()
+
+
+def test_short_sequences_share_the_narrowest_decode_width():
+    # One graph width for every sequence up to MIN_WIDTH_BLOCKS blocks, not one per power of two.
+    assert {width_bucket(n) for n in range(1, MIN_WIDTH_BLOCKS + 1)} == {MIN_WIDTH_BLOCKS}
+    assert width_bucket(MIN_WIDTH_BLOCKS + 1) == 2 * MIN_WIDTH_BLOCKS
