@@ -27,15 +27,11 @@ from graphguard.core.prewarm import prewarm
 from graphguard.core.reasons import EvictionCause
 from graphguard.core.runner import GraphRunner, WarmupReport
 from graphguard.engine.config import EngineConfig
-from graphguard.engine.forward import EagerForward
-from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage, width_bucket
+from graphguard.engine.forward import DECODE_PAD, EagerForward, padding_decode_batch
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS, width_bucket
 from graphguard.engine.parallel.ranks import RankRole
 
 log = logging.getLogger("graphguard")
-
-# Pad values of the decode inputs, by position: token 0, position 0, block table -> dummy
-# block, sequence length 1 (a non-empty softmax), slot 0 (inside the dummy block).
-DECODE_PAD = (0, 0, PagedKVStorage.DUMMY_BLOCK, 1, PagedKVStorage.DUMMY_BLOCK)
 
 
 class DecodeGraphs:
@@ -102,7 +98,7 @@ class DecodeGraphs:
         The warm-up batches are all padding: every row reads and writes only the dummy block.
         """
         device = self.runner.backend.device if self.runner.backend is not None else "cpu"
-        examples = [_dummy_batch(b, w, device) for b in batch_sizes for w in widths]
+        examples = [padding_decode_batch(b, w, device) for b in batch_sizes for w in widths]
         return self.runner.warmup(examples, progress=progress)
 
     def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -134,20 +130,6 @@ class DecodeGraphs:
         stats["kv_bytes"] = self.kv_bytes
         stats["graphs"] = [asdict(info) for info in self.runner.entries()]
         return stats
-
-
-def _dummy_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ...]:
-    def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> Tensor:
-        return torch.full(shape, value, dtype=dtype, device=device)
-
-    ids, pos, table, seq_len, slot = DECODE_PAD
-    return (
-        full((rows,), ids, torch.int64),
-        full((rows,), pos, torch.int64),
-        full((rows, width), table, torch.int32),
-        full((rows,), seq_len, torch.int32),
-        full((rows,), slot, torch.int64),
-    )
 
 
 def warmup_shapes(

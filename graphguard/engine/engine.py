@@ -104,6 +104,8 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.forward = EagerForward(self.model, self.kv)
+        if self.device.type == "cuda":
+            self.forward.warm_up()  # kernel compiles at start, not in the first requests
         built = build_graphs(
             config.graphs,
             self.forward,

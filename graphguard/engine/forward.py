@@ -22,8 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from graphguard.engine.attention import AttentionMetadata, paged_prefill_attention
-from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.attention import (
+    AttentionMetadata,
+    paged_prefill_attention,
+    plan_prefill_groups,
+)
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.models.layers import DecoderLayer
 from graphguard.kernels.reference import write_kv
@@ -31,6 +35,28 @@ from graphguard.segmented import Carry, Stage, run_eager, split_segments
 
 if TYPE_CHECKING:
     from graphguard.engine.sequence import Sequence
+
+
+# Pad values of decode_fn's arguments, by position: token 0, position 0, block table -> dummy
+# block, sequence length 1 (a non-empty softmax), slot 0 (inside the dummy block).
+DECODE_PAD = (0, 0, PagedKVStorage.DUMMY_BLOCK, 1, PagedKVStorage.DUMMY_BLOCK)
+
+
+def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ...]:
+    """decode_fn's arguments for `rows` padding rows of a `width`-block table: they read and
+    write only the dummy block."""
+
+    def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> Tensor:
+        return torch.full(shape, value, dtype=dtype, device=device)
+
+    ids, pos, table, seq_len, slot = DECODE_PAD
+    return (
+        full((rows,), ids, torch.int64),
+        full((rows,), pos, torch.int64),
+        full((rows, width), table, torch.int32),
+        full((rows,), seq_len, torch.int32),
+        full((rows,), slot, torch.int64),
+    )
 
 
 class EagerForward:
@@ -63,6 +89,15 @@ class EagerForward:
             hidden = self.model(input_ids_gpu, positions_gpu, meta, self.kv)
             return self.model.compute_logits(hidden)
 
+    def warm_up(self) -> None:
+        """Decodes of one and of several attention splits and a short prefill, all in the
+        dummy block, so kernel compiles and library first calls happen here rather than in the
+        first requests' steps."""
+        device = self.model.embed_tokens.weight.device
+        for width in (MIN_WIDTH_BLOCKS, 4 * MIN_WIDTH_BLOCKS):
+            self.decode(*padding_decode_batch(1, width, device))
+        self.prefill(*dummy_prefill_inputs(16, self.kv, device), None)
+
     def prefill(
         self,
         input_ids_gpu: Tensor,
@@ -72,6 +107,32 @@ class EagerForward:
     ) -> Tensor:
         """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in."""
         return eager_prefill(self.model, self.kv, input_ids_gpu, positions_gpu, meta, splice)
+
+
+def dummy_prefill_inputs(
+    num_tokens: int, kv: PagedKVStorage, device: torch.device
+) -> tuple[Tensor, Tensor, AttentionMetadata]:
+    """ids, positions and metadata of a prefill of `num_tokens` that writes only the dummy
+    block: one fresh sequence of token 0."""
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    dummy, block_size = PagedKVStorage.DUMMY_BLOCK, kv.block_size
+    width = -(-num_tokens // block_size)
+
+    def ints(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    meta = AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=dummy * block_size + positions % block_size,
+        block_tables=torch.full((1, width), dummy, dtype=torch.int32, device=device),
+        seq_lens=ints([num_tokens]),
+        query_start_loc=ints([0, num_tokens]),
+        seq_lens_cpu=[num_tokens],
+        query_lens_cpu=[num_tokens],
+        prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
+    )
+    return ids, positions, meta
 
 
 @dataclass(frozen=True)

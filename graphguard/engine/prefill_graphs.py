@@ -23,15 +23,15 @@ from graphguard.core.admission import AdmissionConfig
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import EvictionCause
-from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.forward import (
     EagerForward,
     ImageSplice,
     PrefillContext,
+    dummy_prefill_inputs,
     prefill_inputs,
     prefill_stages,
 )
-from graphguard.engine.kv import PagedKVStorage
 from graphguard.segmented import Carry, SegmentedRunner
 
 log = logging.getLogger("graphguard")
@@ -76,26 +76,8 @@ class PrefillGraphs:
     def dummy_prefill(self, key: GraphKey) -> tuple[Carry, PrefillContext]:
         """The pipeline's inputs for a prefill of `key`'s token count that writes only the
         dummy block: one fresh sequence of token 0 (see module docstring)."""
-        num_tokens = key.args[0].shape[0]
         device = self.model.embed_tokens.weight.device
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-        positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
-        dummy, block_size = PagedKVStorage.DUMMY_BLOCK, self.kv.block_size
-        width = -(-num_tokens // block_size)
-
-        def ints(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int32, device=device)
-
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=dummy * block_size + positions % block_size,
-            block_tables=torch.full((1, width), dummy, dtype=torch.int32, device=device),
-            seq_lens=ints([num_tokens]),
-            query_start_loc=ints([0, num_tokens]),
-            seq_lens_cpu=[num_tokens],
-            query_lens_cpu=[num_tokens],
-            prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
-        )
+        ids, positions, meta = dummy_prefill_inputs(key.args[0].shape[0], self.kv, device)
         carry = prefill_inputs(self.model, ids, positions, None)
         return carry, PrefillContext(meta, self.kv)
 

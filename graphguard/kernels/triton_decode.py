@@ -75,13 +75,14 @@ def _partial_kernel(
     scale,
     stride_table,
     num_splits,
+    split_tokens,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_TILES: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,  # the interpreter's trip count (split_tokens / BLOCK_N)
     DYNAMIC_LOOP: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -90,8 +91,8 @@ def _partial_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * SPLIT_TILES * BLOCK_N
-    end = tl.minimum(start + SPLIT_TILES * BLOCK_N, seq_len)
+    start = split * split_tokens
+    end = tl.minimum(start + split_tokens, seq_len)
     lane = tl.arange(0, BLOCK_H)
     is_head = lane < GROUP
     rows = seq * (NUM_KV_HEADS * GROUP) + kv_head * GROUP + lane  # [BLOCK_H] query heads
@@ -132,15 +133,30 @@ def _partial_kernel(
 
 
 @triton.jit
+def _merge_split(
+    part_out_ptr, part_lse_ptr, part, dims, one, m, total, acc, HEAD_DIM: tl.constexpr
+):
+    """Partial `part` (a sequence's head's split) into the running (m, total, acc)."""
+    lse = tl.load(part_lse_ptr + part + one)
+    value = tl.load(part_out_ptr + part * HEAD_DIM + dims)
+    m_new = tl.maximum(m, lse)
+    alpha = tl.exp(m - m_new)
+    beta = tl.exp(lse - m_new)
+    return m_new, total * alpha + beta, acc * alpha + value * beta
+
+
+@triton.jit
 def _merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     seq_lens_ptr,
     out_ptr,
     split_tokens,
+    num_splits,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # the interpreter's trip count (num_splits)
     HEAD_DIM: tl.constexpr,
+    DYNAMIC_LOOP: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -152,16 +168,20 @@ def _merge_kernel(
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for split in range(NUM_SPLITS):  # NOTE: split order, so the merge is deterministic
-        if split < num_used:
-            lse = tl.load(part_lse_ptr + row * NUM_SPLITS + split + one)
-            part = tl.load(part_out_ptr + (row * NUM_SPLITS + split) * HEAD_DIM + dims)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp(m - m_new)
-            beta = tl.exp(lse - m_new)
-            acc = acc * alpha + part * beta
-            total = total * alpha + beta
-            m = m_new
+    # NOTE: in split order, so the merge is deterministic
+    if DYNAMIC_LOOP:
+        for split in range(0, num_used):
+            m, total, acc = _merge_split(
+                part_out_ptr, part_lse_ptr, row * num_splits + split, dims, one, m, total, acc,
+                HEAD_DIM,
+            )  # fmt: skip
+    else:
+        for split in range(NUM_SPLITS):
+            if split < num_used:
+                m, total, acc = _merge_split(
+                    part_out_ptr, part_lse_ptr, row * num_splits + split, dims, one, m, total,
+                    acc, HEAD_DIM,
+                )  # fmt: skip
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -212,16 +232,20 @@ def decode_attention(
         part_lse = q.new_empty((num_seqs, num_heads, splits), dtype=torch.float32)
     _partial_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
-        scale, block_tables.stride(0), splits,
+        scale, block_tables.stride(0), splits, split_tokens,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        SPLIT_TILES=split_tokens // BLOCK_N, DYNAMIC_LOOP=not _INTERPRETED, DIRECT=splits == 1,
+        # NOTE: on the device the split's length is a runtime value: one compile serves every
+        # width (only the interpreter needs its trip count as a constant).
+        SPLIT_TILES=split_tokens // BLOCK_N if _INTERPRETED else 1,
+        DYNAMIC_LOOP=not _INTERPRETED, DIRECT=splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, seq_lens, out, split_tokens, num_heads,
-            NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=1,
+            part_out, part_lse, seq_lens, out, split_tokens, splits, num_heads,
+            NUM_SPLITS=splits if _INTERPRETED else 1, HEAD_DIM=head_dim,
+            DYNAMIC_LOOP=not _INTERPRETED, num_warps=1,
         )  # fmt: skip
     return out
