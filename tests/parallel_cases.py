@@ -21,6 +21,7 @@ def tp_config(**graphs: Any) -> EngineConfig:
     settings = {"backend": "sim", "prefill": False, "background_capture": False}
     settings.update(admission=AdmissionConfig(min_hits=1), batch_buckets=(1, 2))
     return EngineConfig(
+        dtype="float32",  # compared with the single-process engine's float32 tokens
         max_model_len=128,
         max_num_seqs=2,
         num_kv_blocks=32,

@@ -95,7 +95,8 @@ FLAGS: dict[str, Flag] = {
     ),
     "dtype": Flag(
         "model",
-        "auto is bfloat16 on CUDA and float32 on CPU (default: {default})",
+        "auto is bfloat16 on CUDA and on CPUs with native bfloat16 (AVX512-BF16, AMX), "
+        "float32 on other CPUs (default: {default})",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     "max_model_len": Flag(

@@ -24,8 +24,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 @pytest.fixture(scope="session")
 def embedded_model() -> LoadedModel:
-    """SmolLM2-135M-Instruct in float32 on CPU, loaded once per session."""
-    return load_model(None, device="cpu", progress=False)
+    """SmolLM2-135M-Instruct in float32 on CPU, loaded once per session (float32 named: the
+    engine tests compare with float32 references, whatever this CPU's default dtype is)."""
+    return load_model(None, device="cpu", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +70,7 @@ def tiny_qwen3_folder(
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_qwen3_folder: Path) -> LoadedModel:
-    return load_model(str(tiny_qwen3_folder), device="cpu", progress=False)
+    return load_model(str(tiny_qwen3_folder), device="cpu", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")

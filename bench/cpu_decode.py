@@ -1,0 +1,64 @@
+"""Single-stream decode of the embedded model on the CPU, float32 against bfloat16 in one run.
+
+64 greedy tokens after "The capital of France is" (EOS ignored), after one untimed run; the
+chat answer to "What is the capital of France?" and the continuation of "1, 2, 3, 4," with
+each dtype, to show that the answers stay the same.
+
+    python bench/cpu_decode.py [--threads 2] [--dtypes float32,bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import write_json  # noqa: E402
+from graphguard.engine.llm import LLM  # noqa: E402
+from graphguard.engine.loader import load_model  # noqa: E402
+from graphguard.engine.sampling import SamplingParams  # noqa: E402
+
+PROMPT, NEW_TOKENS = "The capital of France is", 64
+
+
+def measure(dtype: str) -> dict:
+    loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
+    llm = LLM(loaded, max_model_len=512, max_num_seqs=4)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        llm.generate([PROMPT], params, use_tqdm=False)
+        start = time.perf_counter()
+        (out,) = llm.generate([PROMPT], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        short = SamplingParams(temperature=0.0, max_tokens=24)
+        chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], short)
+        count = llm.generate(["1, 2, 3, 4,"], short, use_tqdm=False)[0]
+        return dict(
+            dtype=dtype, tok_s=NEW_TOKENS / seconds, chat=chat.text, count=count.text,
+            continuation=out.text,
+        )  # fmt: skip
+    finally:
+        llm.engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [measure(dtype) for dtype in args.dtypes.split(",")]
+    path = write_json("cpu_decode.json", dict(threads=args.threads, rows=rows))
+    print(f"single-stream CPU decode, {args.threads} threads -> {path}")
+    for row in rows:
+        print(f"{row['dtype']:>9} {row['tok_s']:6.1f} tok/s  chat {row['chat']!r}  "
+              f"count {row['count'][:20]!r}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
