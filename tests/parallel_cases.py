@@ -82,7 +82,28 @@ def run_leader(scenario: str, queue: Any, env: dict[str, str]) -> None:
 def generate(engine: Any, followers: Any) -> dict[str, Any]:
     tokens, logprobs = greedy_logprobs(engine)
     stats = engine.graphs.stats() if engine.graphs else None
-    return {"tokens": tokens, "logprobs": logprobs, "leader": stats}
+    return {
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "leader": stats,
+        "refused": [refusal(engine.reload_weights, {}), refusal(_an_image_request, engine)],
+    }
+
+
+def refusal(call: Any, *args: Any) -> str:
+    """The error `call(*args)` raises (what a rank-0 engine refuses under tensor parallelism)."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _an_image_request(engine: Any) -> None:
+    import torch
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    engine.add_request("image", [1, 2, 3], params, images=[torch.zeros(3, 8, 8)])
 
 
 def kill_switch_midway(engine: Any, followers: Any) -> dict[str, Any]:

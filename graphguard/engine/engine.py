@@ -262,6 +262,8 @@ class LLMEngine:
     def _embed_images(
         self, prompt_token_ids: list[int], images: list[torch.Tensor]
     ) -> tuple[torch.Tensor, list[int]]:
+        if self.link is not None:
+            raise ValueError("images are not accepted with tensor parallelism (ranks > 1)")
         if self.vision is None:
             raise ValueError("this engine has no vision encoder; images are not accepted")
         return request_image_embeds(self.vision, prompt_token_ids, images)
@@ -482,6 +484,11 @@ class LLMEngine:
 
         Running requests continue; their cached KV was computed with the old weights.
         """
+        if self.link is not None:
+            raise RuntimeError(
+                "reload_weights is not supported with tensor parallelism: each rank holds a "
+                "shard of the weights; restart with the new ones"
+            )
         with self.lifecycle_lock:
             self._check_open()
             if self.graphs is not None:

@@ -76,6 +76,10 @@ def test_two_ranks_decode_the_single_process_tokens_through_replayed_graphs(embe
     for stats in (report["leader"], follower):
         assert stats["captures"] == 1 and stats["replays"] == NUM_TOKENS - 1
     assert report["exit_codes"] == [0]
+    # What the ranks cannot do together yet is refused on rank 0, with the reason.
+    reload, image = report["refused"]
+    assert reload.startswith("RuntimeError") and "tensor parallelism" in reload
+    assert image.startswith("ValueError") and "tensor parallelism" in image
 
 
 def test_capture_failure_on_rank_1_only_quarantines_the_key_on_both_ranks():
