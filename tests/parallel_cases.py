@@ -33,16 +33,7 @@ def tp_config(**graphs: Any) -> EngineConfig:
 
 def greedy_logprobs(engine: Any, prompt: str = PROMPT) -> tuple[list[int], list[float]]:
     """Greedy tokens of `prompt` and each one's log probability."""
-    ids = engine.tokenizer.encode(prompt)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-    engine.add_request(prompt, ids, params)
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            logprobs += [lp.logprob for lp in out.logprobs or []]
-    return tokens, logprobs
+    return greedy_ids(engine, engine.tokenizer.encode(prompt), prompt)
 
 
 def greedy_ids(engine: Any, ids: list[int], name: str) -> tuple[list[int], list[float]]:
