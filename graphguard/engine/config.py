@@ -127,7 +127,7 @@ class EngineConfig:
 
     model: str | None = None  # load_model source: None/"embedded", a HF folder, or a .gguf file
     device: str = "auto"  # "auto" -> cuda if available else cpu
-    dtype: str = "auto"  # "auto" -> bfloat16 on cuda and native-bf16 CPUs, else float32
+    dtype: str = "auto"  # "auto" -> bfloat16 on cuda, float32 on cpu
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048

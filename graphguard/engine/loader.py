@@ -6,7 +6,6 @@ style folder in the user cache; every later load reads that folder in about a se
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import logging
@@ -75,31 +74,18 @@ def load_model(
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# CPU flags of native bfloat16 arithmetic (Linux's /proc/cpuinfo names).
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX); False where the
-    flags cannot be read."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").split()
-    except OSError:
-        return False
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
-
-
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
-    """None/"auto" -> bfloat16 on CUDA and on CPUs with native bfloat16 (it halves the bytes a
-    token reads: 1.8x the tokens/s of float32 on a 2-core AVX512-BF16 machine), float32 on
-    other CPUs; or one of DTYPES by name."""
+    """None/"auto" -> bfloat16 on CUDA, float32 elsewhere; or one of DTYPES by name.
+
+    NOTE: float32 on CPUs, native bfloat16 or not: bfloat16 decodes 1.7x faster on a 2-core
+    AVX512-BF16 machine (bench/cpu_decode.py), but the CPU GEMMs round a row differently with
+    the batch around it, so a seeded request would not repeat its tokens once batched with
+    others (docs/serving.md).
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        if torch.device(device).type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     return DTYPES[dtype]

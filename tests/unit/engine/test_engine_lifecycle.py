@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from graphguard.engine import loader
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from graphguard.engine.loader import LoadedModel
@@ -79,32 +78,11 @@ def test_kv_pool_is_sized_from_max_num_seqs_and_max_model_len(engine: LLMEngine)
     assert engine.stats()["kv_blocks_total"] == SMALL_ENGINE["max_num_seqs"] * blocks_per_seq
 
 
-def test_auto_device_and_dtype_follow_cuda_availability(monkeypatch) -> None:
+def test_auto_device_and_dtype_follow_cuda_availability() -> None:
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-
-
-@pytest.mark.parametrize("native_bf16,expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_dtype_on_cpu_is_bfloat16_only_with_native_bfloat16(
-    monkeypatch, native_bf16, expected
-):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native_bf16)
-    assert resolve_dtype("auto", torch.device("cpu")) == expected
-
-
-def test_native_bfloat16_is_read_from_the_cpu_flags(monkeypatch, tmp_path) -> None:
-    cpuinfo = tmp_path / "cpuinfo"
-    monkeypatch.setattr(loader, "Path", lambda _: cpuinfo)
-    for flags, expected in (
-        ("fpu avx512f avx512_bf16 sse", True),
-        ("fpu avx512f amx_bf16", True),
-        ("fpu avx2", False),
-    ):
-        cpuinfo.write_text(f"flags\t\t: {flags}\n")
-        loader.cpu_has_native_bf16.cache_clear()
-        assert loader.cpu_has_native_bf16() is expected
-    loader.cpu_has_native_bf16.cache_clear()
 
 
 def test_config_refuses_a_token_budget_below_max_num_seqs() -> None:
