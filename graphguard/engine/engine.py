@@ -10,7 +10,6 @@ import logging
 import random
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,14 +23,9 @@ from graphguard.engine.graphs import EngineGraphs, build_graphs
 from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
+from graphguard.engine.outputs import RequestOutput, build_output, finish_reason, sample_rows
 from graphguard.engine.parallel.ranks import LeaderLink
-from graphguard.engine.sampling import (
-    SamplingParams,
-    TokenLogprob,
-    make_generator,
-    sample,
-    token_logprobs,
-)
+from graphguard.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence, num_blocks_for
 from graphguard.engine.structured import GrammarCompiler, InvalidParamError
@@ -41,25 +35,6 @@ from graphguard.kernels import select_kernels
 log = logging.getLogger("graphguard")
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
 KV_BYTES_ON_CPU = 1 << 30
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (``new_token_ids`` is empty for an abort)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    delta_text: str
-    text: str  # all text so far: the sum of the deltas
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    # One per new token when the request asked for logprobs, else None.
-    logprobs: list[TokenLogprob] | None = None
-    # One per prompt token (None for the first), in the request's first output only.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    error: str | None = None  # why the engine ended this request on its own (finish "abort")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -274,7 +249,7 @@ class LLMEngine:
             seq = self.scheduler.abort(request_id)
             if seq is None:
                 return
-            self._pending.append(self._output(seq, []))
+            self._pending.append(build_output(seq, self._detokenizers[request_id], []))
             self._forget(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -310,7 +285,7 @@ class LLMEngine:
             rows = [i for i, done in enumerate(batch.completes) if done]
             seqs = [batch.seqs[i] for i in rows] + [fork for _, fork in forks]
             rows += [row for row, _ in forks]
-            picked = self._sample_isolated(
+            picked = sample_rows(
                 logits if rows == list(range(len(batch.seqs))) else logits[rows], seqs
             )
             for seq, choice in zip(seqs, picked, strict=True):
@@ -322,46 +297,13 @@ class LLMEngine:
             self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
             return outputs
 
-    def _sample_isolated(
-        self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """Each row's (token, logprob), sampled for the whole batch at once; if that raises,
-        row by row, so that an error one request's parameters cause is that request's alone.
-
-        NOTE: a batch that raised may have advanced the generators of the rows drawn before
-        the error; those rows still get a proper draw, from the next state of their stream.
-        """
-        try:
-            return list(zip(*self._sample(logits, seqs), strict=True))
-        except Exception:  # noqa: BLE001 - found per row below
-            log.warning("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
-        picked: list[tuple[int, TokenLogprob | None] | Exception] = []
-        for row, seq in enumerate(seqs):
-            try:
-                ((token_id, logprob),) = zip(
-                    *self._sample(logits[row : row + 1], [seq]), strict=True
-                )
-                picked.append((token_id, logprob))
-            except Exception as exc:  # noqa: BLE001 - this request's error: it ends it
-                picked.append(exc)
-        return picked
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Any]]:
-        params = [s.params for s in seqs]
-        allowed = [None if s.grammar is None else s.grammar.allowed_tokens() for s in seqs]
-        token_ids = sample(
-            logits, params, [s.generator for s in seqs], [s.output_token_ids for s in seqs], allowed
-        )
-        return token_ids, token_logprobs(logits, token_ids, [p.logprobs for p in params])
-
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a request whose own sampling raised; its neighbours go on."""
         log.error(
             "request %s failed in sampling: %s: %s", seq.request_id, type(error).__name__, error
         )
         self.scheduler.finish(seq, "abort")
-        output = self._output(seq, [])
+        output = build_output(seq, self._detokenizers[seq.request_id], [])
         output.error = f"{type(error).__name__}: {error}"
         self._forget(seq.request_id)
         return output
@@ -369,62 +311,22 @@ class LLMEngine:
     def _append(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
+        detokenizer = self._detokenizers[seq.request_id]
         if seq.params.max_tokens == 0:  # prompt scoring: the prefill ran, no token is kept
             self.scheduler.finish(seq, "length")
-            output = self._output(seq, [])
             self._forget(seq.request_id)
-            return output
+            return build_output(seq, detokenizer, [])
         seq.append_token(token_id)
-        reason = self._finish_reason(seq, token_id)
+        eos = self.tokenizer.eos_token_ids
+        reason = finish_reason(seq, token_id, detokenizer, eos, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        output = self._output(seq, [token_id], None if logprob is None else [logprob])
-        if reason is not None:
             self._forget(seq.request_id)
-        return output
+        return build_output(seq, detokenizer, [token_id], None if logprob is None else [logprob])
 
     def _forget(self, request_id: str) -> None:
         del self._seqs[request_id]
         del self._detokenizers[request_id]
-
-    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        if not seq.params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
-            return "stop"
-        detokenizer = self._detokenizers[seq.request_id]
-        detokenizer.add_token(token_id)
-        if detokenizer.is_stopped or (seq.grammar is not None and seq.grammar.is_finished):
-            return "stop"  # a stop string, or the end of the response_format's document
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _output(
-        self,
-        seq: Sequence,
-        new_token_ids: list[int],
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        detokenizer = self._detokenizers[seq.request_id]
-        delta_text = detokenizer.take_delta(is_final=seq.is_finished)
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=new_token_ids,
-            delta_text=delta_text,
-            text=detokenizer.text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=self._take_prompt_logprobs(seq),
-        )
-
-    @staticmethod
-    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
-        if not seq.has_prompt_logprobs or seq.prompt_logprobs_sent:
-            return None
-        seq.prompt_logprobs_sent = True
-        return seq.prompt_logprobs
 
     def has_unfinished_requests(self) -> bool:
         with self.lifecycle_lock:
