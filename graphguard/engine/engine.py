@@ -79,8 +79,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.forward = EagerForward(self.model, self.kv)
-        if self.device.type == "cuda":
-            self.forward.warm_up()  # kernel compiles at start, not in the first requests
+        # NOTE: kernel compiles at start, not in the first requests. Not under tensor
+        # parallelism: the warm-up's collectives would have no partner on the followers.
+        if self.device.type == "cuda" and self.link is None:
+            self.forward.warm_up()
         built = build_graphs(
             config.graphs,
             self.forward,
