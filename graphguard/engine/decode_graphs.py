@@ -57,9 +57,10 @@ class DecodeGraphs:
         self.kv_bytes = forward.kv.kv_bytes
         # What a manifest must match to prewarm these graphs: model, shapes, dtype, KV layout.
         self.model_identity = model_identity
+        self.buckets = Buckets(batch=buckets, pad_value=DECODE_PAD)
         self.runner = GraphRunner(
             forward.decode,
-            buckets=Buckets(batch=buckets, pad_value=DECODE_PAD),
+            buckets=self.buckets,
             max_bytes=max_bytes,
             verify=verify,
             reverify_every=reverify_every,

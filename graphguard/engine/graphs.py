@@ -126,7 +126,7 @@ class EngineGraphs:
     def decode_bucket(self, num_rows: int) -> int:
         """The rows a decode batch of `num_rows` is padded to: its batch bucket (itself when
         it is larger than every bucket, and then it runs eagerly)."""
-        return min((b for b in self.config.batch_buckets if b >= num_rows), default=num_rows)
+        return self.decode.buckets.bucket_for(num_rows) or num_rows
 
     @property
     def prefill_fn(self) -> Any:

@@ -3,8 +3,9 @@
 Prefills run as one call over the packed tokens of all prefilling sequences, through
 ``prefill_fn``, image rows spliced in. Decode rows go through ``decode_fn``; its inputs depend
 only on (num_seqs, width), with the block-table width padded up to a power-of-two number of
-blocks so that few shapes recur. Both functions are given when the runner is built: the eager
-ones (graphguard/engine/forward.py) or the engine's graphs of the same signatures.
+blocks (at least MIN_WIDTH_BLOCKS) so that few shapes recur. Both functions are given when the
+runner is built: the eager ones (graphguard/engine/forward.py) or the engine's graphs of the
+same signatures.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.batch import ScheduledBatch
 from graphguard.engine.decode_inputs import DecodeInputs
-from graphguard.engine.forward import ImageSplice, image_splice
+from graphguard.engine.forward import DECODE_PAD, ImageSplice, image_splice
 from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.sampling import token_logprobs
@@ -141,17 +142,17 @@ class ModelRunner:
         """One query token per sequence through ``decode_fn``; logits of the real rows."""
         positions = [seq.num_tokens - 1 for seq in seqs]
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
-        dummy = PagedKVStorage.DUMMY_BLOCK
+        pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
         ids = [seq.last_token_id for seq in seqs]
         slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
-        tables = [seq.block_table + [dummy] * (width - len(seq.block_table)) for seq in seqs]
+        tables = [seq.block_table + [pad_block] * (width - len(seq.block_table)) for seq in seqs]
         lens = [seq.num_tokens for seq in seqs]
         pad = self.decode_bucket(len(seqs)) - len(seqs) if self.decode_bucket else 0
         if pad > 0:
-            # NOTE: padding rows read and write only the reserved dummy block (length 1).
-            ids, positions, lens = ids + [0] * pad, positions + [0] * pad, lens + [1] * pad
-            slots += [dummy * self.block_size] * pad
-            tables += [[dummy] * width] * pad
+            # NOTE: the graphs' own padding rows: they read and write only the dummy block.
+            ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
+            lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
+            tables += [[pad_block] * width] * pad
         logits = self.decode_fn(*self.decode_inputs.pack(ids, positions, slots, tables, lens))
         return logits[: len(seqs)].float()
 
