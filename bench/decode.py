@@ -4,12 +4,13 @@ transformers `generate`.
 Random bf16 weights of the SmolLM2-135M and Qwen3-0.6B shapes, 16-token prompts, 128 new tokens
 (EOS ignored), at concurrency 1, 8, 32 and 64, all in one run. Columns: the engine eager with the
 reference (torch) kernels, with graphs and the torch kernels, with graphs and the fused Triton
-kernels, HF generate. Targets (fused): Qwen3 batch 1 >= 500 tok/s, SmolLM2 batch 1 >= 800, Qwen3
-at 64 >= 12,000, SmolLM2 at 64 >= 25,000. For the fused configuration the bench also replays the
-decode step alone as a raw CUDA graph at the batch's shape and reports the host's share of a
-step (step wall time minus that replay's device time). Graph resident bytes are reported next
-to KV bytes. Steady state: each engine configuration runs twice untimed first (captures happen
-there), then timed.
+kernels (each decode step launched before the host reads the last one's tokens, the default on
+CUDA), the same with that overlap off, HF generate. Targets (fused): Qwen3 batch 1 >= 500 tok/s,
+SmolLM2 batch 1 >= 800, Qwen3 at 64 >= 12,000, SmolLM2 at 64 >= 25,000. For the fused
+configuration the bench also replays the decode step alone as a raw CUDA graph at the batch's
+shape and reports the host's share of a step (step wall time minus that replay's device time).
+Graph resident bytes are reported next to KV bytes. Steady state: each engine configuration runs
+twice untimed first (captures happen there), then timed.
 
     python bench/decode.py [--shapes smollm2-135m,qwen3-0.6b] [--concurrency 1,8,32,64]
 """
@@ -62,11 +63,16 @@ def prompts(num: int, vocab: int) -> list[list[int]]:
 
 
 def engine_tok_s(
-    loaded: LoadedModel, concurrency: int, eager: bool, kernels: str = "torch"
+    loaded: LoadedModel,
+    concurrency: int,
+    eager: bool,
+    kernels: str = "torch",
+    overlap: str = "auto",
 ) -> tuple[float, dict]:
     config = engine_config(
         enforce_eager=eager,
         kernels=kernels,
+        overlap_decode=overlap,
         max_num_seqs=64,
         max_model_len=PROMPT_LEN + NEW_TOKENS + 16,
         max_num_batched_tokens=64 * PROMPT_LEN,
@@ -83,7 +89,11 @@ def engine_tok_s(
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         num_steps = engine.stats()["num_steps"] - steps_before
-        extra = {"kv_bytes": engine.kv.kv_bytes, "ms_per_step": 1e3 * seconds / num_steps}
+        extra = {
+            "kv_bytes": engine.kv.kv_bytes,
+            "ms_per_step": 1e3 * seconds / num_steps,
+            "steps_ahead": engine.stats()["num_steps_ahead"],
+        }
         if not eager:
             extra["replay_ms"] = replay_ms(engine, concurrency)
         if engine.graphs is not None:
@@ -182,6 +192,7 @@ def measure(shape: str, levels: list[int], with_hf: bool) -> list[dict]:
         eager, _ = engine_tok_s(loaded, c, eager=True)
         graphs_torch, _ = engine_tok_s(loaded, c, eager=False, kernels="torch")
         graphs, extra = engine_tok_s(loaded, c, eager=False, kernels="triton")
+        serial, serial_extra = engine_tok_s(loaded, c, eager=False, kernels="triton", overlap="off")
         hf = hf_tok_s(config, c) if with_hf else float("nan")
         rows.append(
             dict(
@@ -190,7 +201,10 @@ def measure(shape: str, levels: list[int], with_hf: bool) -> list[dict]:
                 eager_tok_s=eager,
                 graphs_torch_tok_s=graphs_torch,
                 graphs_tok_s=graphs,
+                graphs_serial_tok_s=serial,
                 hf_tok_s=hf,
+                overlap_vs_serial=graphs / serial,
+                serial_ms_per_step=serial_extra["ms_per_step"],
                 graphs_vs_eager=graphs / eager,
                 fused_vs_torch=graphs / graphs_torch,
                 graphs_vs_hf=graphs / hf,
@@ -200,7 +214,8 @@ def measure(shape: str, levels: list[int], with_hf: bool) -> list[dict]:
         )
         print(
             f"  {shape} c={c}: eager {eager:.0f}, graphs torch {graphs_torch:.0f}, graphs fused "
-            f"{graphs:.0f}, hf {hf:.0f} tok/s; step {extra['ms_per_step']:.2f} ms, replay "
+            f"{graphs:.0f} (overlap off {serial:.0f}), hf {hf:.0f} tok/s; step "
+            f"{extra['ms_per_step']:.2f} ms (off {serial_extra['ms_per_step']:.2f}), replay "
             f"{extra['replay_ms']:.2f} ms",
             flush=True,
         )
@@ -221,13 +236,15 @@ def main() -> None:
     plot(rows)
     print(f"decode (bf16, random weights, {NEW_TOKENS} new tokens) -> {path}")
     print(
-        f"{'shape':>13} {'conc':>4} {'eager':>7} {'g-torch':>7} {'g-fused':>7} {'hf':>7} "
+        f"{'shape':>13} {'conc':>4} {'eager':>7} {'g-torch':>7} {'g-fused':>7} {'serial':>7} "
+        f"{'hf':>7} "
         f"{'x torch':>7} {'x hf':>6} {'step ms':>7} {'replay':>6} {'host':>6} {'graph MiB':>9}"
     )
     for r in rows:
         print(
             f"{r['shape']:>13} {r['concurrency']:>4} {r['eager_tok_s']:>7.0f} "
-            f"{r['graphs_torch_tok_s']:>7.0f} {r['graphs_tok_s']:>7.0f} {r['hf_tok_s']:>7.0f} "
+            f"{r['graphs_torch_tok_s']:>7.0f} {r['graphs_tok_s']:>7.0f} "
+            f"{r['graphs_serial_tok_s']:>7.0f} {r['hf_tok_s']:>7.0f} "
             f"{r['fused_vs_torch']:>7.2f} {r['graphs_vs_hf']:>6.1f} {r['ms_per_step']:>7.2f} "
             f"{r['replay_ms']:>6.2f} {r['host_ms_per_step']:>6.2f} "
             f"{r.get('graph_resident_bytes', 0) / 2**20:>9.0f}"
@@ -249,6 +266,7 @@ def plot(rows: list[dict]) -> None:
         xs = [r["concurrency"] for r in mine]
         for key, label in (
             ("graphs_tok_s", "graphguard graphs, fused kernels"),
+            ("graphs_serial_tok_s", "the same, no decode overlap"),
             ("graphs_torch_tok_s", "graphguard graphs, torch kernels"),
             ("eager_tok_s", "engine eager"),
             ("hf_tok_s", "HF generate"),

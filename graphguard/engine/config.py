@@ -10,6 +10,7 @@ from graphguard.engine.capture_pacing import CapturePacing
 
 # What EngineConfig.kernels accepts (graphguard.kernels.KernelChoice's values).
 KERNEL_CHOICES = ("auto", "torch", "triton")
+OVERLAP_CHOICES = ("auto", "on", "off")
 
 # The model families the engine runs: arch -> the Hugging Face architecture name it loads.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -141,6 +142,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # how long a rank waits on the others in a collective before serving ends with an error
     collective_timeout_s: float = 120.0
+    # launch a greedy decode step before the host reads the last one's tokens: "auto" on
+    # CUDA with one rank, "on" anywhere with one rank, "off" (graphguard/engine/overlap.py)
+    overlap_decode: str = "auto"
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
@@ -153,6 +157,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and collective_timeout_s > 0")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.overlap_decode not in OVERLAP_CHOICES:
+            raise ValueError(
+                f"overlap_decode must be one of {OVERLAP_CHOICES}, got {self.overlap_decode!r}"
+            )
         # One decode token for every running sequence must fit one step's token budget;
         # prompts longer than what a step has left are prefilled in chunks.
         if self.max_num_batched_tokens < self.max_num_seqs:

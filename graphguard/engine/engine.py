@@ -24,6 +24,13 @@ from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
 from graphguard.engine.outputs import RequestOutput, build_output, finish_reason, sample_rows
+from graphguard.engine.overlap import (
+    HostTokens,
+    StepAhead,
+    decodes_ahead,
+    greedy_tokens,
+    resolve_overlap,
+)
 from graphguard.engine.parallel.ranks import LeaderLink
 from graphguard.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from graphguard.engine.scheduler import Scheduler
@@ -109,6 +116,9 @@ class LLMEngine:
             prefill_bucket=prefill_token_bucket if config.graphs.prefill else None,
             decode_bucket=self.graphs.decode_bucket if self.graphs else None,
         )
+        # decode steps launched before the host reads the last one's tokens (overlap.py)
+        self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
+        self._ahead: StepAhead | None = None  # the step in flight, when one was launched ahead
         self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
         self._pending: list[RequestOutput] = []  # abort outputs for the next step
@@ -118,6 +128,7 @@ class LLMEngine:
         self._is_shut_down = False
         self._num_steps = 0
         self._num_generated_tokens = 0
+        self._num_steps_ahead = 0  # decode steps launched before the last one's tokens were read
         # Image input (random-weight tower; see graphguard/engine/vision.py).
         hidden_size = self.model_config.hidden_size
         self.vision = engine_vision_encoder(
@@ -267,6 +278,9 @@ class LLMEngine:
                 # requests wait for their first token, within a bound (capture_pacing.py).
                 self.graphs.before_step(self.scheduler.has_pending_prefills())
             outputs, self._pending = self._pending, []
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and any(seq.is_running for seq in ahead.seqs):
+                return outputs + self._finish_decode(ahead.seqs, ahead.tokens, outputs)
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
@@ -281,6 +295,9 @@ class LLMEngine:
                 for seq in batch.seqs:
                     self.abort_request(seq.request_id)
                 raise
+            if self.overlap and not batch.prefills and self._may_step_ahead(batch.decodes):
+                tokens = HostTokens(greedy_tokens(logits))
+                return outputs + self._finish_decode(batch.decodes, tokens, outputs)
             forks = self.scheduler.advance(batch)
             # Prefills that stop mid-prompt (chunked) get no token this step; forks that start
             # from a completed prefill sample from their parent's row.
@@ -298,6 +315,38 @@ class LLMEngine:
             self._num_steps += 1
             self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
             return outputs
+
+    def _may_step_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after this one may be launched before its tokens are read: the
+        same rows would run, each sampling greedily (graphguard/engine/overlap.py)."""
+        return self.scheduler.may_step_ahead(seqs) and all(
+            decodes_ahead(seq, self.max_model_len) for seq in seqs
+        )
+
+    def _finish_decode(
+        self, seqs: list[Sequence], tokens: HostTokens, owed: list[RequestOutput]
+    ) -> list[RequestOutput]:
+        """A greedy decode step over `seqs` whose tokens are on their way to the host: launch
+        the next step from them first when it may go ahead, then read them and append them to
+        the requests still running (an abort meanwhile drops its row)."""
+        if self._may_step_ahead(seqs) and self.scheduler.reserve_ahead(seqs):
+            try:
+                logits = self.runner.decode(seqs, ahead_ids=tokens.device_ids)
+            except BaseException:
+                self._pending = owed
+                for seq in seqs:
+                    self.abort_request(seq.request_id)
+                raise
+            self._ahead = StepAhead(seqs, HostTokens(greedy_tokens(logits)))
+            self._num_steps_ahead += 1
+        outputs = [
+            self._append(seq, token_id)
+            for seq, token_id in zip(seqs, tokens.wait(), strict=True)
+            if seq.is_running
+        ]
+        self._num_steps += 1
+        self._num_generated_tokens += len(outputs)
+        return outputs
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End a request whose own sampling raised; its neighbours go on."""
@@ -380,6 +429,7 @@ class LLMEngine:
                 "num_prefilled_tokens": self.scheduler.num_prefilled_tokens,
                 "num_steps": self._num_steps,
                 "num_generated_tokens": self._num_generated_tokens,
+                "num_steps_ahead": self._num_steps_ahead,
                 "is_shut_down": self._is_shut_down,
             }
 
@@ -397,6 +447,7 @@ class LLMEngine:
             self._check_open()
             if self.graphs is not None:
                 self.graphs.invalidate()
+            self._ahead = None  # read with the old weights: the next step runs it again
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
 
@@ -410,6 +461,7 @@ class LLMEngine:
             self._seqs.clear()
             self._detokenizers.clear()
             self._pending.clear()
+            self._ahead = None
             if self.link is not None:
                 self.link.send_shutdown()
             graphs, self.graphs = self.graphs, None

@@ -138,22 +138,30 @@ class ModelRunner:
             logits = self.model.compute_logits(rows).float()
             scored += token_logprobs(logits, targets, [k] * len(targets))
 
-    def decode(self, seqs: list[Sequence]) -> Tensor:
-        """One query token per sequence through ``decode_fn``; logits of the real rows."""
-        positions = [seq.num_tokens - 1 for seq in seqs]
+    def decode(self, seqs: list[Sequence], ahead_ids: Tensor | None = None) -> Tensor:
+        """One query token per sequence through ``decode_fn``; logits of the real rows.
+
+        With ``ahead_ids`` (each row's next token, on the device, not appended yet) it is the
+        step after that: every sequence one position on (graphguard/engine/overlap.py)."""
+        shift = 0 if ahead_ids is None else 1
+        positions = [seq.num_tokens - 1 + shift for seq in seqs]
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
         pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
-        ids = [seq.last_token_id for seq in seqs]
+        ids = [seq.last_token_id for seq in seqs] if ahead_ids is None else [pad_id] * len(seqs)
         slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
         tables = [seq.block_table + [pad_block] * (width - len(seq.block_table)) for seq in seqs]
-        lens = [seq.num_tokens for seq in seqs]
+        lens = [position + 1 for position in positions]
         pad = self.decode_bucket(len(seqs)) - len(seqs) if self.decode_bucket else 0
         if pad > 0:
             # NOTE: the graphs' own padding rows: they read and write only the dummy block.
             ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
             lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
             tables += [[pad_block] * width] * pad
-        logits = self.decode_fn(*self.decode_inputs.pack(ids, positions, slots, tables, lens))
+        inputs = self.decode_inputs.pack(ids, positions, slots, tables, lens)
+        if ahead_ids is not None:
+            # on the device, ordered after the step that sampled them
+            inputs[0][: len(seqs)].copy_(ahead_ids)
+        logits = self.decode_fn(*inputs)
         return logits[: len(seqs)].float()
 
     def _slot(self, seq: Sequence, position: int) -> int:

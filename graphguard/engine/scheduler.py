@@ -135,6 +135,27 @@ class Scheduler:
                 started += [(row, fork) for fork in self._start_forks(seq)]
         return started
 
+    def may_step_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether `seqs` are every running sequence, each decoding, with nothing waiting: the
+        next step would be exactly these rows (graphguard/engine/overlap.py)."""
+        return (
+            not self.waiting
+            and len(seqs) == len(self.running)
+            and all(seq.status is SequenceStatus.RUNNING and _decodes_next(seq) for seq in seqs)
+        )
+
+    def reserve_ahead(self, seqs: list[Sequence]) -> bool:
+        """KV for one token more than the step just scheduled, for each of `seqs` (a step
+        launched before the last one's tokens are read); False, reserving nothing, when the
+        pool is short."""
+        size = self.block_size
+        short = [s for s in seqs if num_blocks_for(s.num_tokens + 1, size) > len(s.block_table)]
+        if not self.kv.can_allocate(len(short)):
+            return False
+        for seq in short:
+            seq.block_table.extend(self.kv.allocate(1))
+        return True
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence and return its blocks to the pool."""
         seq.finish(reason)

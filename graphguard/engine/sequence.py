@@ -92,6 +92,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_running(self) -> bool:
+        return self.status is SequenceStatus.RUNNING
+
+    @property
     def group_size(self) -> int:
         """Running slots this sequence takes once its forks have started: itself and them."""
         return 1 + len(self.forks)

@@ -17,6 +17,7 @@ from typing import Any
 from graphguard.engine.config import (
     GRAPH_SETTINGS,
     KERNEL_CHOICES,
+    OVERLAP_CHOICES,
     EngineConfig,
     GraphConfig,
     engine_config,
@@ -134,6 +135,13 @@ FLAGS: dict[str, Flag] = {
         "and split-K paged decode attention; CUDA), torch (plain PyTorch ops, the reference) "
         "or auto, triton on CUDA in bfloat16/float16 (default: {default})",
         choices=KERNEL_CHOICES,
+    ),
+    "overlap_decode": Flag(
+        "engine",
+        "launch each greedy decode step before the host has read the last one's tokens, so "
+        "scheduling and detokenizing overlap the device's work (same tokens): auto does on "
+        "CUDA with one rank, on does on a CPU too, off never (default: {default})",
+        choices=OVERLAP_CHOICES,
     ),
     "tensor_parallel_size": Flag(
         "engine",

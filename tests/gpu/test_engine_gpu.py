@@ -107,8 +107,37 @@ def test_captures_between_steps_give_eager_tokens_and_are_replayed_after(loaded)
         graphs.shutdown()
 
 
+def test_decode_steps_launched_ahead_give_the_tokens_of_serial_steps(loaded):
+    # Lockstep requests (one wave, then a second one arriving mid-flight), so that most
+    # steps go ahead; their graphs are checked against eager at every replay.
+    checked = GraphConfig(admission=AdmissionConfig(min_hits=1), reverify_every=1)
+    tokens, ahead = {}, {}
+    for overlap in ("off", "on"):
+        engine = make(loaded, graphs=checked, overlap_decode=overlap)
+        try:
+            g = torch.Generator().manual_seed(1)
+            got: dict[str, list[int]] = {}
+            for wave in range(2):
+                for i in range(8):
+                    ids = torch.randint(10, 40000, (12,), generator=g).tolist()
+                    params = SamplingParams(temperature=0.0, max_tokens=20 + 4 * i, ignore_eos=True)
+                    engine.add_request(f"w{wave}-{i}", ids, params)
+                steps = 0
+                while engine.has_unfinished_requests() and (wave == 1 or steps < 10):
+                    for out in engine.step():
+                        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    steps += 1
+            assert engine.graphs.stats()["parity_mismatches"] == 0
+            tokens[overlap], ahead[overlap] = got, engine.stats()["num_steps_ahead"]
+        finally:
+            engine.shutdown()
+    assert tokens["on"] == tokens["off"]
+    assert ahead["off"] == 0 and ahead["on"] > 30, ahead
+
+
 def test_padded_rows_never_change_a_real_rows_kv(loaded):
-    engine = make(loaded, batch_buckets=(4,))
+    # Steps one at a time (no step launched ahead): the check reads the KV the last step wrote.
+    engine = make(loaded, batch_buckets=(4,), overlap_decode="off")
     try:
         for i in range(3):
             engine.add_request(f"r{i}", [11 + i, 12, 13, 14, 15], GREEDY)
