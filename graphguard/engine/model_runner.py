@@ -184,10 +184,17 @@ def _cumsum0(lengths: list[int]) -> list[int]:
     return total
 
 
+# Up to this many packed prefill tokens, a prefill pads to the next power of two.
+POWER_OF_TWO_PREFILL_TOKENS = 512
+
+
 def prefill_token_bucket(num_tokens: int) -> int:
-    """The token count a packed prefill of `num_tokens` is padded up to: a multiple of 16 up to
-    64, then of a quarter of the power of two below (16 for 64-127, 32 for 128-255, ...). Padding
-    stays under 25% (under 16 tokens below 64), with four keys per octave, so prefill graphs keyed
-    by token count recur under real traffic."""
-    step = max(16, 1 << max(0, num_tokens.bit_length() - 3))
+    """The token count a packed prefill of `num_tokens` is padded up to, so that prefill graphs
+    keyed by token count recur under real traffic: the next power of two (at least 16) up to
+    POWER_OF_TWO_PREFILL_TOKENS, where a step's cost is its launches, not its rows, and a wave
+    of prompts split over two steps still lands on few keys; above it a multiple of a quarter
+    of the power of two below (128 for 512-1023, 256 for 1024-2047, ...), padding under 25%."""
+    if num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
+        return max(16, 1 << (num_tokens - 1).bit_length())
+    step = 1 << (num_tokens.bit_length() - 3)
     return -(-num_tokens // step) * step

@@ -301,3 +301,20 @@ def test_short_sequences_share_the_narrowest_decode_width():
     # One graph width for every sequence up to MIN_WIDTH_BLOCKS blocks, not one per power of two.
     assert {width_bucket(n) for n in range(1, MIN_WIDTH_BLOCKS + 1)} == {MIN_WIDTH_BLOCKS}
     assert width_bucket(MIN_WIDTH_BLOCKS + 1) == 2 * MIN_WIDTH_BLOCKS
+
+
+def test_a_wave_of_prompts_split_over_two_steps_lands_on_few_prefill_keys():
+    # 16 prompts of 9 tokens that arrive across two steps, split at any point: each step's
+    # packed count pads to a power of two, so every split shares five keys (the counts 9-135
+    # would give 13 keys at four buckets per octave).
+    keys = {prefill_token_bucket(9 * k) for k in range(1, 16)}
+    keys |= {prefill_token_bucket(9 * (16 - k)) for k in range(1, 16)}
+    assert keys == {16, 32, 64, 128, 256}
+
+
+def test_prefill_buckets_cover_their_count_and_pad_long_prompts_by_under_a_quarter():
+    for n in range(1, 5000):
+        bucket = prefill_token_bucket(n)
+        assert bucket >= n and bucket >= prefill_token_bucket(n - 1 or 1)
+        if n > 512:
+            assert bucket - n < n / 4, n
