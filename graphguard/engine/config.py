@@ -104,6 +104,9 @@ class GraphConfig:
     # how much of a step those captures may take: none while prefills wait (within a bound),
     # else units up to a time slice (graphguard/engine/capture_pacing.py)
     capture_pacing: CapturePacing = CapturePacing()
+    # eager runs of a key on its graph's stream before the capture: the engine compiles its
+    # kernels at start, so one does (the runtime's default, for any function, is two)
+    capture_warmups: int = 1
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())
@@ -114,6 +117,8 @@ class GraphConfig:
             raise ValueError(f"graph backend must be auto, cuda or sim, got {self.backend!r}")
         if self.verify not in ("exact", "off"):
             raise ValueError(f"graph verify must be exact or off, got {self.verify!r}")
+        if self.capture_warmups < 1:
+            raise ValueError(f"capture_warmups must be >= 1, got {self.capture_warmups}")
         if self.reverify_every < 0:
             raise ValueError(f"reverify_every must be >= 0, got {self.reverify_every}")
         if self.max_bytes < 0:

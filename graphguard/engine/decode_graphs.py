@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import Backend
 from graphguard.core.export import export_manifest
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
@@ -43,7 +44,7 @@ class DecodeGraphs:
         *,
         buckets: tuple[int, ...],
         max_bytes: int,
-        backend: str,
+        backend: str | Backend,
         device: torch.device,
         metrics: GraphMetrics,
         model_identity: dict[str, Any],

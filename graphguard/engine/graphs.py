@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from graphguard.core.backends import Backend, CudaBackend
 from graphguard.core.base import kill_switch_on
 from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.capture_pacing import CapturePacer
@@ -72,6 +73,14 @@ def check_capability(
     return GraphCapability.ENABLED
 
 
+def _backend(config: GraphConfig, device: torch.device) -> str | Backend:
+    """A CUDA backend of the engine's own, warming up `config.capture_warmups` times before a
+    capture; "sim" (and "auto" without CUDA) as named."""
+    if config.backend == "sim" or (config.backend == "auto" and not torch.cuda.is_available()):
+        return config.backend
+    return CudaBackend(device, num_warmup=config.capture_warmups)
+
+
 class EngineGraphs:
     """The decode graphs, the segmented prefill graphs (unless off) and their metrics."""
 
@@ -91,7 +100,7 @@ class EngineGraphs:
             forward,
             buckets=config.batch_buckets,
             max_bytes=config.max_bytes,
-            backend=config.backend,
+            backend=_backend(config, device),
             device=device,
             metrics=self.metrics,
             model_identity=model_identity,
@@ -108,7 +117,7 @@ class EngineGraphs:
             self.prefill = PrefillGraphs(
                 forward,
                 max_bytes=config.max_bytes,
-                backend=config.backend,
+                backend=_backend(config, device),
                 device=device,
                 metrics=self.metrics,
                 admission=config.prefill_admission,

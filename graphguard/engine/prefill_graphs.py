@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import Backend
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import EvictionCause
@@ -45,7 +46,7 @@ class PrefillGraphs:
         forward: EagerForward,
         *,
         max_bytes: int,
-        backend: str,
+        backend: str | Backend,
         device: torch.device,
         metrics: GraphMetrics,
         admission: AdmissionConfig | None = None,

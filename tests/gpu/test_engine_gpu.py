@@ -66,6 +66,9 @@ def test_graphs_are_on_with_the_capability_proof(loaded):
     engine = make(loaded)
     try:
         assert isinstance(engine.graphs, EngineGraphs) and engine.graphs_disabled_reason is None
+        # kernels compiled at start: one warm-up before each capture, decode and prefill
+        assert engine.graphs.decode.runner.backend.num_warmup == 1
+        assert engine.graphs.prefill.runner.backend.num_warmup == 1
     finally:
         engine.shutdown()
 
