@@ -7,8 +7,11 @@ token. A GPU serve load (SmolLM2 shape, waves of 16 requests) measured decode un
 
 1. **Slack.** No unit runs in a step that has prefills pending (requests waiting for their
    first token, or a chunked prefill in progress), unless the capture has been put off
-   `max_deferred_steps` steps in a row: a queue that never empties (a saturated server) still
-   lets a capture finish, one unit every `max_deferred_steps + 1` steps.
+   `max_deferred_steps` steps in a row and for at least `max_deferred_ms`: a queue that never
+   empties (a saturated server) still lets a capture finish, one slice per deferral, while a
+   wave of arrivals (which keeps prefills pending for a few dozen fast graph steps) does not
+   wait behind one. A bound in steps alone let units run in the middle of waves once decode
+   steps took 2 ms (run 35).
 2. **Slice.** A step that may run units runs them until `slice_ms` of capture work is spent
    (at least one unit): the many small units of a prefill group (a segment's warm-up or
    capture) finish in a few steps instead of one step each, while a long unit (a decode
@@ -28,12 +31,15 @@ from dataclasses import dataclass
 class CapturePacing:
     """How much of a step a capture in flight may take (see module docstring)."""
 
-    max_deferred_steps: int = 8  # steps in a row a pending prefill may put a capture off
+    max_deferred_steps: int = 8  # steps in a row a pending prefill may put a capture off...
+    max_deferred_ms: float = 200.0  # ...and for at least this long
     slice_ms: float = 10.0  # capture work per step; a unit that starts inside it runs whole
 
     def __post_init__(self) -> None:
         if self.max_deferred_steps < 0:
             raise ValueError(f"max_deferred_steps must be >= 0, got {self.max_deferred_steps}")
+        if self.max_deferred_ms < 0:
+            raise ValueError(f"max_deferred_ms must be >= 0, got {self.max_deferred_ms}")
         if self.slice_ms < 0:
             raise ValueError(f"slice_ms must be >= 0, got {self.slice_ms}")
 
@@ -54,17 +60,25 @@ class CapturePacer:
         self._advance = advance
         self._clock = clock
         self.num_deferred = 0  # steps in a row that ran no unit for a pending prefill
+        self.deferred_since = 0.0  # when the first of them began
         self.num_deferred_total = 0  # every step that did so
 
     def before_step(self, has_pending_prefills: bool) -> int:
         """Run this step's units of the capture in flight (call only while one is in flight);
         how many ran."""
-        if has_pending_prefills and self.num_deferred < self.pacing.max_deferred_steps:
+        if has_pending_prefills and self._may_defer():
+            if self.num_deferred == 0:
+                self.deferred_since = self._clock()
             self.num_deferred += 1
             self.num_deferred_total += 1
             return 0
         self.num_deferred = 0
         return self._run_slice()
+
+    def _may_defer(self) -> bool:
+        if self.num_deferred < self.pacing.max_deferred_steps:
+            return True
+        return (self._clock() - self.deferred_since) * 1e3 < self.pacing.max_deferred_ms
 
     def _run_slice(self) -> int:
         deadline = self._clock() + self.pacing.slice_ms / 1e3

@@ -265,6 +265,8 @@ NOT_FLAGS = {
     "graceful_shutdown_s": "how long SIGTERM waits for open responses; fixed for the server",
     "verify": "parity before admission stays exact in the server (GraphConfig in Python)",
     "reverify_every": "periodic re-verification is a testing aid (GraphConfig in Python)",
+    "capture_warmups": "warm-ups before a capture: one, as the kernels compile at start "
+    "(GraphConfig in Python)",
     "admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
     "prefill_admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
     "capture_pacing": "pacing of captures between steps is a CapturePacing object (GraphConfig "
