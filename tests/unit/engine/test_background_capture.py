@@ -198,7 +198,8 @@ def test_no_unit_runs_in_a_step_that_prefills_a_waiting_request(tiny, slow_captu
 def test_a_queue_that_never_empties_puts_a_capture_off_a_bounded_number_of_steps(
     tiny, slow_capture
 ):
-    pacing = GraphConfig(capture_pacing=CapturePacing(max_deferred_steps=2))
+    steps_only = CapturePacing(max_deferred_steps=2, max_deferred_ms=0.0)  # steps, not time
+    pacing = GraphConfig(capture_pacing=steps_only)
     engine = make_engine(
         tiny, graph_backend="sim", prefill_graphs=False, max_num_seqs=1, graphs=pacing
     )
