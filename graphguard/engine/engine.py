@@ -273,9 +273,11 @@ class LLMEngine:
         with self.lifecycle_lock:
             self._check_open()
             if self.graphs is not None:
-                # NOTE: on this thread, before the step: a capture never overlaps a step (its
-                # cuBLAS workspace clears must not race the step's matmuls); none while
-                # requests wait for their first token, within a bound (capture_pacing.py).
+                # NOTE: on this thread, before the step: a capture never overlaps a step on the
+                # host (its cuBLAS workspace clears must not race the step's matmuls); a step
+                # launched ahead may still run on the device, and the units' work on the entry's
+                # stream waits for it. None while requests wait for their first token, within a
+                # bound (capture_pacing.py).
                 self.graphs.before_step(self.scheduler.has_pending_prefills())
             outputs, self._pending = self._pending, []
             ahead, self._ahead = self._ahead, None
