@@ -1,10 +1,11 @@
-"""Single-stream decode of the embedded model on the CPU, float32 against bfloat16 in one run.
+"""Single-stream decode of the embedded model on the CPU: float32, bfloat16, and bfloat16 with
+the 4-bit GEMMs (`--kernels q4`, graphguard/kernels/q4.py), side by side in one run.
 
 64 greedy tokens after "The capital of France is" (EOS ignored), after one untimed run; the
-chat answer to "What is the capital of France?" and the continuation of "1, 2, 3, 4," with
-each dtype, to show that the answers stay the same.
+chat answer to "What is the capital of France?" and the continuation of "1, 2, 3, 4," in each
+configuration, to show that the answers stay the same.
 
-    python bench/cpu_decode.py [--threads 2] [--dtypes float32,bfloat16]
+    python bench/cpu_decode.py [--threads 2] [--configs float32,bfloat16,q4]
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from graphguard.engine.sampling import SamplingParams  # noqa: E402
 PROMPT, NEW_TOKENS = "The capital of France is", 64
 
 
-def measure(dtype: str) -> dict:
-    loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
-    llm = LLM(loaded, max_model_len=512, max_num_seqs=4)
+def measure(config: str) -> dict:
+    # q4 packs the float32 weights and runs in bfloat16 (graphguard/kernels/q4.py)
+    loaded = load_model(None, dtype="float32" if config == "q4" else config, device="cpu")
+    kernels = "q4" if config == "q4" else "auto"
+    llm = LLM(loaded, max_model_len=512, max_num_seqs=4, kernels=kernels)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         llm.generate([PROMPT], params, use_tqdm=False)
@@ -39,7 +42,7 @@ def measure(dtype: str) -> dict:
         chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], short)
         count = llm.generate(["1, 2, 3, 4,"], short, use_tqdm=False)[0]
         return dict(
-            dtype=dtype, tok_s=NEW_TOKENS / seconds, chat=chat.text, count=count.text,
+            config=config, tok_s=NEW_TOKENS / seconds, chat=chat.text, count=count.text,
             continuation=out.text,
         )  # fmt: skip
     finally:
@@ -49,14 +52,14 @@ def measure(dtype: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--configs", default="float32,bfloat16,q4")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [measure(dtype) for dtype in args.dtypes.split(",")]
+    rows = [measure(config) for config in args.configs.split(",")]
     path = write_json("cpu_decode.json", dict(threads=args.threads, rows=rows))
     print(f"single-stream CPU decode, {args.threads} threads -> {path}")
     for row in rows:
-        print(f"{row['dtype']:>9} {row['tok_s']:6.1f} tok/s  chat {row['chat']!r}  "
+        print(f"{row['config']:>12} {row['tok_s']:6.1f} tok/s  chat {row['chat']!r}  "
               f"count {row['count'][:20]!r}")  # fmt: skip
 
 

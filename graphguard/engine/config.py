@@ -9,7 +9,7 @@ from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.capture_pacing import CapturePacing
 
 # What EngineConfig.kernels accepts (graphguard.kernels.KernelChoice's values).
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KERNEL_CHOICES = ("auto", "torch", "triton", "q4")
 OVERLAP_CHOICES = ("auto", "on", "off")
 
 # The model families the engine runs: arch -> the Hugging Face architecture name it loads.
@@ -162,6 +162,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and collective_timeout_s > 0")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.kernels == "q4" and self.dtype not in ("auto", "bfloat16"):
+            raise ValueError("kernels='q4' runs on a CPU in bfloat16: dtype auto or bfloat16")
+        if self.kernels == "q4" and self.tensor_parallel_size > 1:
+            raise ValueError("kernels='q4' runs in one process: tensor_parallel_size must be 1")
         if self.overlap_decode not in OVERLAP_CHOICES:
             raise ValueError(
                 f"overlap_decode must be one of {OVERLAP_CHOICES}, got {self.overlap_decode!r}"

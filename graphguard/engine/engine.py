@@ -67,6 +67,9 @@ class LLMEngine:
         if loaded is None:
             device = resolve_device(config.device)
             dtype = resolve_dtype(config.dtype, device)
+            # NOTE: 4-bit GEMMs pack the float32 weights, then the model runs in bfloat16.
+            if config.kernels == "q4":
+                dtype = torch.float32
             loaded = load_model(config.model, dtype=dtype, device=str(device))
         # A model loaded elsewhere keeps its own placement; KV follows it.
         weight = next(loaded.model.parameters())
@@ -76,8 +79,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
         # NOTE: chosen before any graph is built: graphs capture the kernels the model runs.
+        if config.kernels == "q4":
+            self.dtype = torch.bfloat16  # prepare() below turns the model to it
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         self.model.use_kernels(self.kernels.kernels)
+        self.kernels.kernels.prepare(self.model)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.kv = self._build_kv()
         self.scheduler = Scheduler(
@@ -444,6 +450,11 @@ class LLMEngine:
             raise RuntimeError(
                 "reload_weights is not supported with tensor parallelism: each rank holds a "
                 "shard of the weights; restart with the new ones"
+            )
+        if self.kernels.name == "torch-q4":
+            raise RuntimeError(
+                "reload_weights is not supported with --kernels q4: the 4-bit weights are packed "
+                "from float32 ones at start; restart with the new ones"
             )
         with self.lifecycle_lock:
             self._check_open()

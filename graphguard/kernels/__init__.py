@@ -1,8 +1,10 @@
 """The kernels a decoder runs, chosen once when an engine starts.
 
 ``torch``: plain PyTorch ops, the CPU path and the reference. ``triton``: fused Triton kernels
-(graphguard/kernels/fused.py) for CUDA. ``auto`` picks triton on a CUDA device in half
-precision when Triton imports, else torch, and says why.
+(graphguard/kernels/fused.py) for CUDA. ``q4``: the plain ops with 4-bit GEMMs on the CPU for
+weights stored in 4-bit blocks (graphguard/kernels/q4.py), in bfloat16; asked for only.
+``auto`` picks triton on a CUDA device in half precision when Triton imports, else torch, and
+says why.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class KernelChoice(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    Q4 = "q4"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,15 @@ def select_kernels(
 ) -> KernelSelection:
     """The kernel set for `choice` on `device`; an explicit ``triton`` that cannot run raises."""
     choice = KernelChoice(choice)
+    if choice is KernelChoice.Q4:
+        if device.type != "cpu" or dtype is not torch.bfloat16:
+            raise ValueError(
+                f"--kernels q4 runs on a CPU in bfloat16 (--device cpu --dtype bfloat16), "
+                f"not on {device.type} in {dtype}"
+            )
+        from graphguard.kernels.q4 import Q4Kernels
+
+        return KernelSelection(Q4Kernels(), "asked for")
     if choice is KernelChoice.TORCH:
         return KernelSelection(TorchKernels(), "asked for")
     missing = triton_missing(device)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class HeadShape(NamedTuple):
@@ -100,8 +100,16 @@ class TorchKernels:
 
     name = "torch"
 
+    def prepare(self, model: nn.Module) -> None:
+        """Ready the set for `model`'s weights (at start and after weights are loaded in
+        place); the plain ops need nothing."""
+
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x [M, K] @ weight[N, K].T`` (no bias)."""
+        return F.linear(x, weight)
+
+    def head(self, x: Tensor, weight: Tensor) -> Tensor:
+        """The LM head's GEMM, ``x [M, K] @ weight[vocab, K].T``."""
         return F.linear(x, weight)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

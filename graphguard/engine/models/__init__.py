@@ -98,7 +98,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden]`` -> ``[n, vocab]`` float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = self.kernels.head(hidden, weight)
         if self.shard is not None:  # this rank's vocabulary rows: gather every rank's
             logits = self.shard.gather_vocab(logits)
         return logits.float()

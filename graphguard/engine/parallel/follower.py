@@ -44,7 +44,9 @@ class Follower:
         model, mc = loaded.model, loaded.config
         weight = next(model.parameters())
         device, dtype = weight.device, weight.dtype
-        model.use_kernels(select_kernels(config.kernels, device, dtype).kernels)
+        kernels = select_kernels(config.kernels, device, dtype).kernels
+        model.use_kernels(kernels)
+        kernels.prepare(model)
         self.kv = PagedKVStorage(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
