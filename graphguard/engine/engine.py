@@ -20,7 +20,8 @@ from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.detokenize import IncrementalDetokenizer
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, build_graphs
-from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.intake import RequestLimits, check_request
+from graphguard.engine.kv_sizing import build_kv
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
 from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
 from graphguard.engine.outputs import RequestOutput, build_output, finish_reason, sample_rows
@@ -34,14 +35,12 @@ from graphguard.engine.overlap import (
 from graphguard.engine.parallel.ranks import LeaderLink
 from graphguard.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from graphguard.engine.scheduler import Scheduler
-from graphguard.engine.sequence import Sequence, num_blocks_for
-from graphguard.engine.structured import GrammarCompiler, InvalidParamError
+from graphguard.engine.sequence import Sequence
+from graphguard.engine.structured import GrammarCompiler
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 from graphguard.kernels import select_kernels
 
 log = logging.getLogger("graphguard")
-KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
-KV_BYTES_ON_CPU = 1 << 30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +84,7 @@ class LLMEngine:
         self.model.use_kernels(self.kernels.kernels)
         self.kernels.kernels.prepare(self.model)
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.kv = self._build_kv()
+        self.kv = build_kv(config, self.model_config, self.max_model_len, self.device, self.dtype)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -140,37 +139,6 @@ class LLMEngine:
         self.vision = engine_vision_encoder(
             self.tokenizer, hidden_size, dtype=self.dtype, device=self.device
         )
-
-    def _build_kv(self) -> PagedKVStorage:
-        num_blocks = self.config.num_kv_blocks or self._auto_num_blocks()
-        mc = self.model_config
-        return PagedKVStorage(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            num_blocks=num_blocks,
-            block_size=self.config.block_size,
-            dtype=self.dtype,
-            device=self.device,
-        )
-
-    def _auto_num_blocks(self) -> int:
-        """Enough blocks for max_num_seqs full-length requests, within a memory allowance.
-
-        The allowance is a share of the device's free memory on CUDA and a fixed size on CPU,
-        so that a laptop start does not zero gigabytes; the scheduler preempts past it.
-        """
-        mc, block_size = self.model_config, self.config.block_size
-        per_seq = num_blocks_for(self.max_model_len, block_size)
-        wanted = self.config.max_num_seqs * per_seq + 1  # + the reserved dummy block
-        block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
-        block_bytes *= self.dtype.itemsize
-        if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-            allowance = int(free_bytes * KV_SHARE_OF_FREE_CUDA_MEMORY)
-        else:
-            allowance = KV_BYTES_ON_CPU
-        return max(per_seq + 1, min(wanted, allowance // block_bytes))
 
     @property
     def num_usable_blocks(self) -> int:
@@ -232,26 +200,13 @@ class LLMEngine:
     ) -> None:
         if request_id in self._seqs or any(o.request_id == request_id for o in self._pending):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: at least one prompt token is required")
-        if len(prompt_token_ids) > self.max_model_len - 1:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; at most max_model_len - 1 = "
-                f"{self.max_model_len - 1} fit"
-            )
-        vocab_size = self.model_config.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        params.validate()
-        if any(not t < vocab_size for t, _ in params.logit_bias):
-            raise InvalidParamError("logit_bias", f"logit_bias keys must be in [0, {vocab_size})")
-        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-        num_blocks = num_blocks_for(max_len, self.config.block_size)
-        if num_blocks > self.num_usable_blocks:
-            raise ValueError(
-                f"request needs up to {num_blocks} KV blocks but the pool has "
-                f"{self.num_usable_blocks}; raise num_kv_blocks or lower max_tokens"
-            )
+        limits = RequestLimits(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_usable_blocks=self.num_usable_blocks,
+        )
+        check_request(prompt_token_ids, params, limits)
 
     def _embed_images(
         self, prompt_token_ids: list[int], images: list[torch.Tensor]
