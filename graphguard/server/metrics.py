@@ -91,6 +91,15 @@ class ServerMetrics:
         self.kv_blocks_capacity = Gauge(
             "graphguard_server_kv_blocks_capacity", "KV cache blocks in the pool", registry=r
         )
+        self.engine_steps = Gauge(
+            "graphguard_server_engine_steps", "Engine steps run since start", registry=r
+        )
+        self.decode_steps_ahead = Gauge(
+            "graphguard_server_decode_steps_ahead",
+            "Decode steps launched before the last step's tokens were read, since start "
+            "(--overlap-decode)",
+            registry=r,
+        )
 
     def record_request(self, trace: RequestTrace) -> None:
         """Count a finished (or aborted) generation once; later calls are no-ops."""
@@ -113,6 +122,8 @@ class ServerMetrics:
         self.requests_waiting.set(stats.get("num_waiting", 0))
         self.kv_blocks_used.set(stats.get("kv_blocks_used", 0))
         self.kv_blocks_capacity.set(stats.get("kv_blocks_total", 0))
+        self.engine_steps.set(stats.get("num_steps", 0))
+        self.decode_steps_ahead.set(stats.get("num_steps_ahead", 0))
 
     def render(self, graph_registry: CollectorRegistry | None) -> bytes:
         """Prometheus text: the server's metrics, then the graph runtime's when it is on."""

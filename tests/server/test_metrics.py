@@ -24,6 +24,8 @@ def test_metrics_parse_as_prometheus_text(server: RunningServer) -> None:
         "graphguard_server_requests_waiting",
         "graphguard_server_kv_blocks_used",
         "graphguard_server_kv_blocks_capacity",
+        "graphguard_server_engine_steps",
+        "graphguard_server_decode_steps_ahead",
     } <= names
 
 
@@ -65,6 +67,15 @@ def test_kv_gauges_report_the_engine_pool(server: RunningServer) -> None:
     total = server.engine.stats()["kv_blocks_total"]
     assert samples[("graphguard_server_kv_blocks_capacity", frozenset())] == total
     assert samples[("graphguard_server_kv_blocks_used", frozenset())] == 0
+
+
+def test_step_gauges_report_the_engine_counts(client: OpenAI, server: RunningServer) -> None:
+    client.completions.create(model=MODEL, prompt="Hi there", max_tokens=3)
+    samples = server.scrape()
+    stats = server.engine.stats()
+    assert samples[("graphguard_server_engine_steps", frozenset())] == stats["num_steps"] >= 3
+    # a CPU server steps one at a time by default (--overlap-decode auto: on with CUDA)
+    assert samples[("graphguard_server_decode_steps_ahead", frozenset())] == 0
 
 
 def test_graphs_endpoint_says_why_graphs_are_off_on_a_cpu(server: RunningServer) -> None:
