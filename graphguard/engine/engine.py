@@ -19,7 +19,7 @@ from graphguard.engine.config import EngineConfig, ModelConfig
 from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.detokenize import IncrementalDetokenizer
 from graphguard.engine.forward import EagerForward
-from graphguard.engine.graphs import EngineGraphs, build_graphs
+from graphguard.engine.graphs import EngineGraphs, GraphCapability, build_graphs
 from graphguard.engine.intake import RequestLimits, check_request
 from graphguard.engine.kv_sizing import build_kv
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
@@ -43,6 +43,15 @@ from graphguard.kernels import select_kernels
 log = logging.getLogger("graphguard")
 
 
+def _load(config: EngineConfig) -> LoadedModel:
+    """The model `config` names, on its device and in its dtype."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.kernels == "q4":
+        dtype = torch.float32  # NOTE: 4-bit GEMMs pack the float32 weights (kernels/q4.py)
+    return load_model(config.model, dtype=dtype, device=str(device))
+
+
 def resolve_device(name: str) -> torch.device:
     """Resolve a device name; "auto" is cuda when available, else cpu."""
     if name == "auto":
@@ -63,23 +72,17 @@ class LLMEngine:
         self.lifecycle_lock = threading.RLock()
         # rank 0 of tensor-parallel ranks (graphguard/engine/parallel): `loaded` is its shard
         self.link = link
-        if loaded is None:
-            device = resolve_device(config.device)
-            dtype = resolve_dtype(config.dtype, device)
-            # NOTE: 4-bit GEMMs pack the float32 weights, then the model runs in bfloat16.
-            if config.kernels == "q4":
-                dtype = torch.float32
-            loaded = load_model(config.model, dtype=dtype, device=str(device))
+        loaded = loaded if loaded is not None else _load(config)
         # A model loaded elsewhere keeps its own placement; KV follows it.
         weight = next(loaded.model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        if config.kernels == "q4":
+            self.dtype = torch.bfloat16  # the kernels' prepare() turns the model to it
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
         # NOTE: chosen before any graph is built: graphs capture the kernels the model runs.
-        if config.kernels == "q4":
-            self.dtype = torch.bfloat16  # prepare() below turns the model to it
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         self.model.use_kernels(self.kernels.kernels)
         self.kernels.kernels.prepare(self.model)
@@ -95,32 +98,11 @@ class LLMEngine:
         # parallelism: the warm-up's collectives would have no partner on the followers.
         if self.device.type == "cuda" and self.link is None:
             self.forward.warm_up()
-        built = build_graphs(
-            config.graphs,
-            self.forward,
-            scheduler_kv=self.scheduler.kv,
-            device=self.device,
-            model_identity=model_identity(
-                loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
-            ),
-            warmup_keys=warmup_shapes(config, self.max_model_len),
-            role=link.role if link is not None else None,
-        )
+        built = self._build_graphs()
         # when the capability proof passes; else why decode runs eagerly
         self.graphs: EngineGraphs | None = built if isinstance(built, EngineGraphs) else None
         self.graphs_disabled_reason = None if self.graphs else str(built)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv,
-            self.device,
-            decode_fn=self.graphs.decode_fn if self.graphs else self.forward.decode,
-            prefill_fn=self.graphs.prefill_fn if self.graphs else self.forward.prefill,
-            # NOTE: graphed prefill is keyed by its token count: pad it to a bucket, so keys
-            # recur. Padding follows the setting, not whether graphs could be built, so an
-            # engine computes the same tokens with graphs on, off or still being earned.
-            prefill_bucket=prefill_token_bucket if config.graphs.prefill else None,
-            decode_bucket=self.graphs.decode_bucket if self.graphs else None,
-        )
+        self.runner = self._build_runner()
         # decode steps launched before the host reads the last one's tokens (overlap.py)
         self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
         self._ahead: StepAhead | None = None  # the step in flight, when one was launched ahead
@@ -138,6 +120,36 @@ class LLMEngine:
         hidden_size = self.model_config.hidden_size
         self.vision = engine_vision_encoder(
             self.tokenizer, hidden_size, dtype=self.dtype, device=self.device
+        )
+
+    def _build_graphs(self) -> EngineGraphs | GraphCapability:
+        """The decode and prefill graphs, or the reason they are off."""
+        config = self.config
+        return build_graphs(
+            config.graphs,
+            self.forward,
+            scheduler_kv=self.scheduler.kv,
+            device=self.device,
+            model_identity=model_identity(
+                self.loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
+            ),
+            warmup_keys=warmup_shapes(config, self.max_model_len),
+            role=self.link.role if self.link is not None else None,
+        )
+
+    def _build_runner(self) -> ModelRunner:
+        graphs = self.graphs
+        return ModelRunner(
+            self.model,
+            self.kv,
+            self.device,
+            decode_fn=graphs.decode_fn if graphs else self.forward.decode,
+            prefill_fn=graphs.prefill_fn if graphs else self.forward.prefill,
+            # NOTE: graphed prefill is keyed by its token count: pad it to a bucket, so keys
+            # recur. Padding follows the setting, not whether graphs could be built, so an
+            # engine computes the same tokens with graphs on, off or still being earned.
+            prefill_bucket=prefill_token_bucket if self.config.graphs.prefill else None,
+            decode_bucket=graphs.decode_bucket if graphs else None,
         )
 
     @property
