@@ -30,7 +30,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timing import out_dir, write_json  # noqa: E402
+from bench.timing import graph_replay_ms, out_dir, write_json  # noqa: E402
 from graphguard.engine.config import PRESETS, ModelConfig, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.kv import PagedKVStorage, width_bucket  # noqa: E402
@@ -119,21 +119,7 @@ def replay_ms(engine: LLMEngine, batch: int) -> float:
     lens = torch.full((batch,), PROMPT_LEN + NEW_TOKENS // 2, dtype=torch.int32, device="cuda")
     ids = torch.zeros(batch, dtype=torch.int64, device="cuda")
     positions, slots = (lens - 1).long(), torch.zeros(batch, dtype=torch.int64, device="cuda")
-    inputs = (ids, positions, tables, lens, slots)
-    engine.forward.decode(*inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        engine.forward.decode(*inputs)
-    times = []
-    for _ in range(50):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(engine.forward.decode, ids, positions, tables, lens, slots)
 
 
 def run_requests(engine: LLMEngine, concurrency: int, max_tokens: int) -> None:

@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timing import write_json  # noqa: E402
+from bench.timing import graph_replay_ms, write_json  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
 from graphguard.engine.forward import EagerForward  # noqa: E402
 from graphguard.engine.kv import PagedKVStorage  # noqa: E402
@@ -45,21 +45,7 @@ def replay_ms(forward: EagerForward, width: int) -> float:
     positions = (lens - 1).long()
     # every row writes the dummy block's first slot (timing only: no row reads it)
     slots = torch.full((BATCH,), PagedKVStorage.DUMMY_BLOCK * BLOCK_SIZE, device="cuda")
-    inputs = (ids, positions, tables, lens, slots)
-    forward.decode(*inputs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward.decode(*inputs)
-    times = []
-    for _ in range(50):
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began.record()
-        graph.replay()
-        ended.record()
-        ended.synchronize()
-        times.append(began.elapsed_time(ended))
-    del graph
-    return sorted(times)[len(times) // 2]
+    return graph_replay_ms(forward.decode, ids, positions, tables, lens, slots)
 
 
 def measure(shape: str) -> list[dict]:

@@ -13,6 +13,25 @@ from typing import Any
 import torch
 
 
+def graph_replay_ms(fn: Callable[..., Any], *inputs: Any, replays: int = 50) -> float:
+    """Device time of `fn(*inputs)` captured as a raw CUDA graph (after one eager call): the
+    median of `replays` replays, timed with events."""
+    fn(*inputs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs)
+    times = []
+    for _ in range(replays):
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        graph.replay()
+        ended.record()
+        ended.synchronize()
+        times.append(began.elapsed_time(ended))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

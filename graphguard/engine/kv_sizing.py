@@ -21,12 +21,20 @@ def build_kv(
 ) -> PagedKVStorage:
     """The engine's KV pool: `config.num_kv_blocks` blocks, or `auto_num_blocks` when 0."""
     num_blocks = config.num_kv_blocks or auto_num_blocks(config, mc, max_model_len, device, dtype)
+    return kv_storage(mc, num_blocks, config.block_size, device, dtype)
+
+
+def kv_storage(
+    mc: ModelConfig, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+) -> PagedKVStorage:
+    """A pool of `num_blocks` blocks for `mc`'s layers and KV heads (a tensor-parallel
+    follower's holds the blocks rank 0 sized, for its share of the heads)."""
     return PagedKVStorage(
         num_layers=mc.num_layers,
         num_kv_heads=mc.num_kv_heads,
         head_dim=mc.head_dim,
         num_blocks=num_blocks,
-        block_size=config.block_size,
+        block_size=block_size,
         dtype=dtype,
         device=device,
     )

@@ -19,7 +19,7 @@ from graphguard.engine.config import EngineConfig
 from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs
-from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.kv_sizing import kv_storage
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
 from graphguard.engine.parallel.ranks import BatchMessage, RankRole, RanksLost, Shutdown
@@ -47,15 +47,7 @@ class Follower:
         kernels = select_kernels(config.kernels, device, dtype).kernels
         model.use_kernels(kernels)
         kernels.prepare(model)
-        self.kv = PagedKVStorage(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            dtype=dtype,
-            device=device,
-        )
+        self.kv = kv_storage(mc, num_blocks, config.block_size, device, dtype)
         forward = EagerForward(model, self.kv)
         # NOTE: graphs follow rank 0's capability, not this rank's environment: the ranks
         # must hold the same runners whatever a follower's kill switch says.
