@@ -255,7 +255,8 @@ class LLMEngine:
             outputs, self._pending = self._pending, []
             ahead, self._ahead = self._ahead, None
             if ahead is not None and any(seq.is_running for seq in ahead.seqs):
-                return outputs + self._finish_decode(ahead.seqs, ahead.tokens, outputs)
+                go_ahead = self._may_step_ahead(ahead.seqs)
+                return outputs + self._finish_decode(ahead.seqs, ahead.tokens, outputs, go_ahead)
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
@@ -272,7 +273,7 @@ class LLMEngine:
                 raise
             if self.overlap and not batch.prefills and self._may_step_ahead(batch.decodes):
                 tokens = HostTokens(greedy_tokens(logits))
-                return outputs + self._finish_decode(batch.decodes, tokens, outputs)
+                return outputs + self._finish_decode(batch.decodes, tokens, outputs, True)
             forks = self.scheduler.advance(batch)
             # Prefills that stop mid-prompt (chunked) get no token this step; forks that start
             # from a completed prefill sample from their parent's row.
@@ -299,12 +300,13 @@ class LLMEngine:
         )
 
     def _finish_decode(
-        self, seqs: list[Sequence], tokens: HostTokens, owed: list[RequestOutput]
+        self, seqs: list[Sequence], tokens: HostTokens, owed: list[RequestOutput], go_ahead: bool
     ) -> list[RequestOutput]:
         """A greedy decode step over `seqs` whose tokens are on their way to the host: launch
-        the next step from them first when it may go ahead, then read them and append them to
-        the requests still running (an abort meanwhile drops its row)."""
-        if self._may_step_ahead(seqs) and self.scheduler.reserve_ahead(seqs):
+        the next step from them first when it may go ahead (`go_ahead`: `_may_step_ahead`, as
+        the caller found it), then read them and append them to the requests still running
+        (an abort meanwhile drops its row)."""
+        if go_ahead and self.scheduler.reserve_ahead(seqs):
             try:
                 logits = self.runner.decode(seqs, ahead_ids=tokens.device_ids)
             except BaseException:
