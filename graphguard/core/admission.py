@@ -14,7 +14,16 @@ policy decides *whether* to capture, not only what to evict:
 4. thrash backoff: a key evicted and recaptured `max_recaptures` times inside `thrash_window_s`
    is backed off exponentially (reason `thrashing`);
 5. quarantine: a failed capture or a parity mismatch backs the key off exponentially;
-6. mode "prewarmed": only keys captured by warmup() may replay; lazy capture is off.
+6. mode "prewarmed": only keys captured by warmup() may replay; lazy capture is off;
+7. payback (`payback` > 0; off by default, on in the engine): a key is captured only once its
+   eager calls have cost `payback` times a capture's price more than replays of it would have.
+   The price is what this runner's last admitted capture of the key (else the mean of its
+   captures) cost in capture work; an eager call's cost is its time less the runner's mean
+   replay time. This is the break-even rule of rent-or-buy: a key called without end is
+   captured after at most `payback` captures' worth of eager time, and a key that stops being
+   called before that never costs a capture, so capture work plus eager excess stays within
+   (1 + payback) times the cheaper of the two whatever traffic does (2x at payback 1). Until
+   the runner has admitted a capture it knows no price, and `min_hits` alone decides.
 
 Every decision reads the injected clock, so tests drive time by hand.
 """
@@ -25,14 +34,22 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from graphguard.core.keys import GraphKey
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sketch import FrequencySketch
 
 Clock = Callable[[], float]
-# Per-key memory (size hints) is capped; the frequency sketch is fixed-size already.
+# Per-key memory (size hints, payback) is capped; the frequency sketch is fixed-size already.
 MAX_TRACKED_KEYS = 4096
+REPLAY_WEIGHT = 0.1  # weight of the newest replay in the mean replay time
+
+
+def _bound(table: dict[GraphKey, Any]) -> None:
+    """Forget the oldest entries (insertion order) beyond MAX_TRACKED_KEYS."""
+    while len(table) > MAX_TRACKED_KEYS:
+        del table[next(iter(table))]
 
 
 @dataclass(frozen=True)
@@ -48,8 +65,11 @@ class AdmissionConfig:
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 300.0
     mode: str = "lazy"  # "lazy" | "prewarmed"
+    payback: float = 0.0  # captures' worth of eager excess a key must cost first (0: off)
 
     def __post_init__(self) -> None:
+        if self.payback < 0:
+            raise ValueError(f"payback must be >= 0, got {self.payback}")
         if self.min_hits < 1:
             raise ValueError(f"min_hits must be >= 1, got {self.min_hits}")
         if not 0 < self.max_capture_fraction <= 1:
@@ -79,6 +99,7 @@ class AdmissionCounters:
     thrash_backoffs: int = 0
     quarantines: int = 0
     capture_seconds: float = 0.0
+    awaiting_payback: int = 0  # of `deferred`: earned by min_hits, not yet by payback
 
 
 @dataclass
@@ -97,6 +118,12 @@ class AdmissionPolicy:
         self._evicted_at: dict[GraphKey, deque[float]] = {}
         self._quarantine: dict[GraphKey, _Backoff] = {}
         self._thrash: dict[GraphKey, _Backoff] = {}
+        # payback (rule 7): eager excess per key, and prices of admitted captures
+        self._excess: dict[GraphKey, float] = {}
+        self._prices: dict[GraphKey, float] = {}
+        self._price_sum = 0.0
+        self._num_prices = 0
+        self._replay_s = 0.0  # mean host time of a replay (exponentially weighted)
 
     # -- observations ----------------------------------------------------------------------
     def record_call(self, key: GraphKey) -> None:
@@ -117,9 +144,36 @@ class AdmissionPolicy:
         """A capture admitted at `resident_bytes` (its work is recorded apart, record_work)."""
         self.size_hints.pop(key, None)  # re-inserted last: the oldest hints go first
         self.size_hints[key] = resident_bytes
-        while len(self.size_hints) > MAX_TRACKED_KEYS:
-            del self.size_hints[next(iter(self.size_hints))]
+        _bound(self.size_hints)
+        self._excess.pop(key, None)  # bought: after an eviction it must pay back again
         self._note_recapture(key, self.clock())
+
+    def record_eager(self, key: GraphKey, seconds: float) -> None:
+        """An eager call of `key` that took `seconds`: what a replay would have saved of it
+        adds to the key's excess (payback)."""
+        if self.config.payback:
+            excess = self._excess.pop(key, 0.0) + max(0.0, seconds - self._replay_s)
+            self._excess[key] = excess
+            _bound(self._excess)
+
+    def record_replay(self, seconds: float) -> None:
+        """A replay that took `seconds` (payback's estimate of what a replay costs)."""
+        self._replay_s += REPLAY_WEIGHT * (seconds - self._replay_s)
+
+    def record_price(self, key: GraphKey, seconds: float) -> None:
+        """An admitted capture of `key` whose work took `seconds`: the price of its next one,
+        and one more sample of the runner's mean price."""
+        self._prices.pop(key, None)
+        self._prices[key] = seconds
+        _bound(self._prices)
+        self._price_sum += seconds
+        self._num_prices += 1
+
+    def price(self, key: GraphKey) -> float | None:
+        """What a capture of `key` is expected to cost in capture work; None before any."""
+        if key in self._prices:
+            return self._prices[key]
+        return self._price_sum / self._num_prices if self._num_prices else None
 
     def record_eviction(self, key: GraphKey) -> None:
         self._evicted_at.setdefault(key, deque()).append(self.clock())
@@ -146,7 +200,19 @@ class AdmissionPolicy:
         if not earned or self._over_capture_budget(self.clock()):
             self.counters.deferred += 1
             return FallbackReason.ADMISSION_DEFERRED
+        if not (is_prewarmed or self.paid_back(key)):
+            self.counters.deferred += 1
+            self.counters.awaiting_payback += 1
+            return FallbackReason.ADMISSION_DEFERRED
         return None
+
+    def paid_back(self, key: GraphKey) -> bool:
+        """Whether `key`'s eager excess covers `payback` times its price (rule 7; True when
+        payback is off or no price is known yet)."""
+        price = self.price(key) if self.config.payback else None
+        if price is None:
+            return True
+        return self._excess.get(key, 0.0) >= self.config.payback * price
 
     def blocked_for_warmup(self, key: GraphKey) -> FallbackReason | None:
         """Warm-up skips earned-capture and frequency rules, not quarantine or thrash backoff."""

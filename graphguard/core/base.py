@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from graphguard.core.admission import AdmissionConfig, AdmissionPolicy, Clock
 from graphguard.core.backends import Backend
@@ -108,22 +110,40 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         """Replay the graph `call` maps to, or answer it eagerly with exactly one reason."""
         if self.orders is not None:  # a tensor-parallel rank (graphguard.core.decisions)
             return self.orders.on_call(self, call)
-        reason = self._gate()
+        reason, key = self._gate(), None  # key: the call's, once planned
         if reason is None:
             plan = self._plan(call)
             if isinstance(plan, FallbackReason):
                 reason = plan
             else:
+                key = plan.key
                 with self._lock:
                     if self._closed:
                         reason = FallbackReason.CLOSED
                     else:
-                        out, reason = self._act(call, plan, self._choose(plan.key))
+                        out, reason = self._act(call, plan, self._choose(key))
                         if reason is None:
                             return out
                         if out is not None:  # an eager run already answered this call
                             return self._fallback(call, reason, out)
-        return self._fallback(call, reason, None)  # NOTE: eager work runs unlocked
+        return self._fallback(call, reason, None, key)  # NOTE: eager work runs unlocked
+
+    def _fallback(
+        self, call: C, reason: FallbackReason, out: Any, key: GraphKey | None = None
+    ) -> Any:
+        """Count the call's one reason; answer it eagerly unless `out` already does. An eager
+        call of `key` is timed for the admission's payback rule."""
+        self._counts.fallback(reason)
+        if out is not None:
+            return out
+        if key is None or not self.policy.config.payback:
+            return self._eager(call)
+        started = self.clock()
+        out = self._eager(call)
+        seconds = self.clock() - started
+        with self._lock:
+            self.policy.record_eager(key, seconds)
+        return out
 
     def _choose(self, key: GraphKey) -> Decision:
         """What to do with a call of `key` (under the lock): the leader's half of a call."""
@@ -154,19 +174,17 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
             entry = self._cache.acquire(key)
             if entry is None:  # NOTE: only a follower can get here: a leader decided under lock
                 raise RankDivergence(f"{self.name}: {key.describe()} is not admitted here")
+            started = self.clock()
             try:
                 return self._replay(entry, call, plan)
             finally:
                 self._cache.release(entry)
+                self.policy.record_replay(self.clock() - started)
         if decision.action is Action.CAPTURE:
             return self._capture(call, plan, CaptureMode.ON_CALL)
         self._job = self._new_job(key, lambda: self._example(key), CaptureMode.BACKGROUND)
         self._sync_gauges()
         return None, FallbackReason.CAPTURE_IN_PROGRESS
-
-    def _fallback(self, call: C, reason: FallbackReason, out: Any) -> Any:
-        self._counts.fallback(reason)
-        return out if out is not None else self._eager(call)
 
     # -- hooks of the flow -----------------------------------------------------------------
     @abstractmethod
@@ -225,6 +243,37 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         self._counts.move_gauges(
             cache.resident_bytes, graphs, host_bytes, policy.num_quarantined(), cache.reserved_bytes
         )
+
+    # -- set-up --------------------------------------------------------------------------
+    def warm_keys(self, keys: Iterable[GraphKey], progress: bool = True) -> WarmupReport:
+        """Capture `keys` up front on their example inputs (`_example`, as a capture between
+        calls runs on), largest first, within the budget: each one taken is prewarmed."""
+        report, started = WarmupReport(), time.perf_counter()
+        ordered = sorted(keys, key=lambda k: k.input_bytes, reverse=True)
+        bar = tqdm(ordered, desc=f"graphguard warmup {self.name}", disable=not progress)
+        with self._lock:
+            for key in bar:
+                call, plan = self._example(key)
+                self._warm_one(plan, call, report)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _warm_one(self, plan: CallPlan, call: C, report: WarmupReport) -> None:
+        """Capture one key at warm-up (no eviction, answers no call), unless it is resident
+        or backed off; either way a key taken is prewarmed."""
+        name = plan.key.describe()
+        if plan.key in self._cache:
+            self.policy.prewarmed.add(plan.key)
+            report.captured.append(name)
+            return
+        reason = self._gate() or self.policy.blocked_for_warmup(plan.key)
+        if reason is None:
+            _, reason = self._capture(call, plan, CaptureMode.WARMUP)
+        if reason is None:
+            self.policy.prewarmed.add(plan.key)
+            report.captured.append(name)
+        else:
+            report.skipped[name] = reason.value
 
     # -- lifecycle and introspection -------------------------------------------------------
     def invalidate(self, cause: EvictionCause | str = EvictionCause.INVALIDATE) -> int:

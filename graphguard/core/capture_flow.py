@@ -252,9 +252,11 @@ class CaptureFlow(ABC, Generic[E, C]):
         )  # fmt: skip
 
     def _observe(self, job: CaptureJob[Outcome]) -> None:
-        """An ended capture: its work into the capture-time histogram if it was admitted."""
+        """An ended capture: its work into the capture-time histogram, and into the price of
+        the key's captures (the admission's payback rule), if it was admitted."""
         if job.result is not None and job.result[1] is None:
             self.metrics.capture_seconds.observe(job.seconds)
+            self.policy.record_price(job.key, job.seconds)
 
     # -- hooks ---------------------------------------------------------------------------
     @abstractmethod

@@ -44,13 +44,14 @@ class Following(Generic[E, C]):
             if self._closed:
                 return Decision.fallback(FallbackReason.CLOSED)
             resident = tuple(entry.key for entry in self._cache.entries())
-            return replace(self._choose(plan.key), resident=resident)
+            # the key travels with a fallback too: every rank times its eager call of the key
+            return replace(self._choose(plan.key), key=plan.key, resident=resident)
 
     def follow(self, call: C, decision: Decision) -> Any:
         """Carry out a leader's decision for `call`; never decides alone."""
         if decision.action is Action.FALLBACK:
             assert decision.reason is not None
-            return self._fallback(call, decision.reason, None)
+            return self._fallback(call, decision.reason, None, decision.key)
         plan = self._plan(call)
         if isinstance(plan, FallbackReason) or plan.key != decision.key:
             raise RankDivergence(f"{self.name}: this rank plans {plan}, the leader {decision.key}")
@@ -83,7 +84,9 @@ class Following(Generic[E, C]):
         self, call: C, plan: CallPlan, decision: Decision
     ) -> tuple[Any, FallbackReason | None]: ...
     @abstractmethod
-    def _fallback(self, call: C, reason: FallbackReason, out: Any) -> Any: ...
+    def _fallback(
+        self, call: C, reason: FallbackReason, out: Any, key: GraphKey | None = None
+    ) -> Any: ...
     @abstractmethod
     def _advance_decision(self) -> Decision: ...
     @abstractmethod

@@ -266,21 +266,6 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         )
         return report
 
-    def _warm_one(self, plan: CallPlan, args: Args, report: WarmupReport) -> None:
-        name = plan.key.describe()
-        if plan.key in self._cache:
-            self.policy.prewarmed.add(plan.key)
-            report.captured.append(name)
-            return
-        reason = self._gate() or self.policy.blocked_for_warmup(plan.key)
-        if reason is None:
-            _, reason = self._capture(args, plan, CaptureMode.WARMUP)
-        if reason is None:
-            self.policy.prewarmed.add(plan.key)
-            report.captured.append(name)
-        else:
-            report.skipped[name] = reason.value
-
     # -- lifecycle and introspection -------------------------------------------------------
     def entries(self) -> list[EntryInfo]:
         return [entry.info() for entry in self._cache.entries()]

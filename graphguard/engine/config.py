@@ -8,6 +8,9 @@ from typing import Any
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.capture_pacing import CapturePacing
 
+# The engine's admission policy: the runtime's defaults plus payback (rent-or-buy break-even).
+ENGINE_ADMISSION = AdmissionConfig(payback=1.0)
+
 # What EngineConfig.kernels accepts (graphguard.kernels.KernelChoice's values).
 KERNEL_CHOICES = ("auto", "torch", "triton", "q4")
 OVERLAP_CHOICES = ("auto", "on", "off")
@@ -109,8 +112,10 @@ class GraphConfig:
     capture_warmups: int = 1
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
-    admission: AdmissionConfig | None = None  # decode graphs (None: AdmissionConfig())
-    prefill_admission: AdmissionConfig | None = None  # prefill groups (None: AdmissionConfig())
+    # when traffic earns a key (graphguard/core/admission.py): the engine's default adds the
+    # payback rule, so a key is captured once its eager steps have cost a capture's price
+    admission: AdmissionConfig = ENGINE_ADMISSION  # decode graphs
+    prefill_admission: AdmissionConfig = ENGINE_ADMISSION  # prefill groups
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "cuda", "sim"):

@@ -23,7 +23,11 @@ from graphguard.engine.graphs import EngineGraphs, GraphCapability, build_graphs
 from graphguard.engine.intake import RequestLimits, check_request
 from graphguard.engine.kv_sizing import build_kv
 from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
-from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
+from graphguard.engine.model_runner import (
+    ModelRunner,
+    prefill_token_bucket,
+    warmup_prefill_tokens,
+)
 from graphguard.engine.outputs import RequestOutput, build_output, finish_reason, sample_rows
 from graphguard.engine.overlap import (
     HostTokens,
@@ -134,6 +138,7 @@ class LLMEngine:
                 self.loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
             ),
             warmup_keys=warmup_shapes(config, self.max_model_len),
+            prefill_tokens=warmup_prefill_tokens(config.max_num_batched_tokens),
             role=self.link.role if self.link is not None else None,
         )
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -142,18 +143,30 @@ class EngineGraphs:
         """The segmented prefill graphs, or the eager prefill when they are off."""
         return self.prefill if self.prefill is not None else self._eager_prefill
 
-    def start(self, warmup_keys: tuple[list[int], list[int]]) -> None:
+    def start(
+        self, warmup_keys: tuple[list[int], list[int]], prefill_tokens: Sequence[int] = ()
+    ) -> None:
         """What the config asks for before the first request: prewarm from a manifest, then
-        capture every decode (batch, width) key of `warmup_keys` within the budget."""
+        capture every decode (batch, width) key of `warmup_keys` and the prefill groups of
+        `prefill_tokens` within the budgets."""
         if self.config.manifest:
             _prewarm_from(self.decode, self.config.manifest)
-        if self.config.warmup:
-            batch_sizes, widths = warmup_keys
-            report = self.decode.warmup(batch_sizes, widths)
+        if not self.config.warmup:
+            return
+        batch_sizes, widths = warmup_keys
+        report = self.decode.warmup(batch_sizes, widths)
+        log.info(
+            "graphguard decode warmup: %d of %d keys captured in %.1f s",
+            len(report.captured),
+            len(batch_sizes) * len(widths),
+            report.seconds,
+        )
+        if self.prefill is not None and prefill_tokens:
+            report = self.prefill.warmup(prefill_tokens)
             log.info(
-                "graphguard decode warmup: %d of %d keys captured in %.1f s",
+                "graphguard prefill warmup: %d of %d token buckets captured in %.1f s",
                 len(report.captured),
-                len(batch_sizes) * len(widths),
+                len(prefill_tokens),
                 report.seconds,
             )
 
@@ -213,6 +226,7 @@ def build_graphs(
     device: torch.device,
     model_identity: dict[str, Any],
     warmup_keys: tuple[list[int], list[int]],
+    prefill_tokens: Sequence[int] = (),
     role: RankRole | None = None,
 ) -> EngineGraphs | GraphCapability:
     """The engine's graphs, started, when the capability check passes; else why not."""
@@ -233,7 +247,7 @@ def build_graphs(
         log.info("graphguard prefill graphs on: %d segments", graphs.prefill.runner.num_segments)
     else:
         log.info("graphguard prefill graphs off: prefill=False")
-    graphs.start(warmup_keys)
+    graphs.start(warmup_keys, prefill_tokens)
     return graphs
 
 

@@ -198,3 +198,11 @@ def prefill_token_bucket(num_tokens: int) -> int:
         return max(16, 1 << (num_tokens - 1).bit_length())
     step = 1 << (num_tokens.bit_length() - 3)
     return -(-num_tokens // step) * step
+
+
+def warmup_prefill_tokens(max_num_batched_tokens: int) -> list[int]:
+    """The prefill token buckets a warm start captures: the powers of two from 16 up to the
+    bucket of a step's token budget, at most POWER_OF_TWO_PREFILL_TOKENS (the buckets that
+    small prompts, and waves of them, land on; larger keys are earned by traffic)."""
+    top = min(POWER_OF_TWO_PREFILL_TOKENS, prefill_token_bucket(max_num_batched_tokens))
+    return [1 << i for i in range(4, top.bit_length()) if 1 << i <= top]

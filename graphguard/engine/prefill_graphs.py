@@ -13,6 +13,7 @@ prefill does), so it never writes a slot that a live sequence reads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
+from graphguard.core.base import WarmupReport
 from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import EvictionCause
@@ -34,6 +36,7 @@ from graphguard.engine.forward import (
     prefill_stages,
 )
 from graphguard.segmented import Carry, SegmentedRunner
+from graphguard.segmented.group import carry_key
 
 log = logging.getLogger("graphguard")
 
@@ -81,6 +84,16 @@ class PrefillGraphs:
         ids, positions, meta = dummy_prefill_inputs(key.args[0].shape[0], self.kv, device)
         carry = prefill_inputs(self.model, ids, positions, None)
         return carry, PrefillContext(meta, self.kv)
+
+    def warmup(self, token_counts: Sequence[int], progress: bool = True) -> WarmupReport:
+        """Capture the groups of packed prefills of `token_counts` tokens at start, on dummy
+        prefills (as a capture between steps runs on), largest first, within the budget."""
+        device = self.model.embed_tokens.weight.device
+        keys = []
+        for num_tokens in token_counts:
+            ids, positions, _ = dummy_prefill_inputs(num_tokens, self.kv, device)
+            keys.append(carry_key(prefill_inputs(self.model, ids, positions, None)))
+        return self.runner.warm_keys(keys, progress=progress)
 
     def advance_capture(self) -> bool:
         """One unit of the prefill group capture in flight between steps; True while one

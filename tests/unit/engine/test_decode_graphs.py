@@ -10,7 +10,7 @@ from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.forward import EagerForward
 from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage, width_bucket
-from graphguard.engine.model_runner import prefill_token_bucket
+from graphguard.engine.model_runner import prefill_token_bucket, warmup_prefill_tokens
 from graphguard.engine.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
@@ -230,7 +230,7 @@ def test_warmup_shapes_cover_every_batch_and_length_the_engine_can_decode():
 
 def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded_model):
     settings = {"graph_backend": "sim", "batch_buckets": (1, 2, 4), "max_model_len": 16}
-    engine = make_engine(embedded_model, warmup_graphs=True, **settings)
+    engine = make_engine(embedded_model, warmup_graphs=True, max_num_batched_tokens=64, **settings)
     eager = make_engine(embedded_model, enforce_eager=True, max_model_len=16)
     try:
         before = engine.graphs.stats()
@@ -238,9 +238,13 @@ def test_warmup_graphs_at_start_leaves_nothing_to_capture_while_serving(embedded
         # blocks, under the narrowest table (MIN_WIDTH_BLOCKS).
         assert before["entries"] == before["captures"] == 3
         assert before["replays"] == 0 and engine.kv.num_used_blocks == 0
+        # and the prefill groups of the token buckets up to the step's budget: 16, 32, 64
+        assert before["prefill"]["groups"] == before["prefill"]["captures"] == 3
         assert generate(engine) == generate(eager)
         after = engine.graphs.stats()
         assert after["captures"] == 3 and after["replays"] > 0 and after["fallbacks"] == {}
+        prefill = after["prefill"]
+        assert prefill["captures"] == 3 and prefill["replays"] > 0 and prefill["fallbacks"] == {}
     finally:
         engine.shutdown()
         eager.shutdown()
@@ -318,3 +322,12 @@ def test_prefill_buckets_cover_their_count_and_pad_long_prompts_by_under_a_quart
         assert bucket >= n and bucket >= prefill_token_bucket(n - 1 or 1)
         if n > 512:
             assert bucket - n < n / 4, n
+
+
+def test_a_warm_start_captures_the_power_of_two_prefill_buckets_within_a_steps_budget():
+    assert warmup_prefill_tokens(4096) == [16, 32, 64, 128, 256, 512]
+    assert warmup_prefill_tokens(100) == [16, 32, 64, 128]  # 100 tokens pad to 128
+    assert warmup_prefill_tokens(8) == [16]
+    for budget in (8, 100, 700, 4096):
+        for n in range(1, min(budget, 512) + 1):  # every prefill a step can pack, to 512
+            assert prefill_token_bucket(n) in warmup_prefill_tokens(budget)
