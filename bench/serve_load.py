@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         # Other work on the host skews CPU numbers: record the load around the run.
         load_before = os.getloadavg()[0]
         graphs_before = httpx.get(f"{url}/v1/graphs").json()
-        start = time.perf_counter()
+        start, start_unix = time.perf_counter(), time.time()
         results = asyncio.run(run_load(url, model, args))
         summary: dict[str, Any] = summarize(results, time.perf_counter() - start)
         graphs = httpx.get(f"{url}/v1/graphs").json()
@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "model": model,
         "summary": summary,
         "server_start_s": start_s,
+        # the load's start by the wall clock: a server's step trace (GRAPHGUARD_STEP_TRACE)
+        # lines up with the requests' sent_s through it
+        "load_start_unix": round(start_unix, 6),
         "graphs_enabled": graphs.get("enabled", True),
         "host": {
             "platform": platform.platform(),

@@ -169,6 +169,11 @@ class AdmissionPolicy:
         self._price_sum += seconds
         self._num_prices += 1
 
+    @property
+    def knows_a_price(self) -> bool:
+        """Whether a capture of this runner has been admitted (and priced)."""
+        return self._num_prices > 0
+
     def price(self, key: GraphKey) -> float | None:
         """What a capture of `key` is expected to cost in capture work; None before any."""
         if key in self._prices:

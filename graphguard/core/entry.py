@@ -14,7 +14,7 @@ import gc
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,17 +125,15 @@ class GraphEntry:
         self.pin_count = 0  # > 0 while a replay is in progress; eviction skips pinned entries
 
     # -- ownership -------------------------------------------------------------------------
-    def retain(self, owner: Any) -> None:
-        """Keep `owner` alive exactly as long as this graph can replay."""
+    def retain(self, owner: Any, *, checked: bool = False) -> None:
+        """Keep `owner` alive exactly as long as this graph can replay. `checked`: the caller
+        has searched `owner` for a way back to this entry already (check_owners)."""
         if self.state is EntryState.RETIRED:
             raise RetiredEntryError(
                 f"cannot retain an owner on retired graph {self.key.describe()}"
             )
-        if refers_to(owner, (self, self.graph)):
-            raise OwnerCycleError(
-                f"{type(owner).__name__} refers back to graph {self.key.describe()}; retaining it "
-                "would make a reference cycle that keeps the graph alive forever"
-            )
+        if not checked:
+            check_owners([owner], (self, self.graph), self.key)
         self.owners.append(owner)
 
     def allocating(self) -> AbstractContextManager[None]:
@@ -265,6 +263,18 @@ def _spec(t: torch.Tensor) -> dict[str, Any]:
         "stride": list(t.stride()),
         "device": str(t.device),
     }
+
+
+def check_owners(owners: Sequence[Any], targets: Any, key: GraphKey) -> None:
+    """OwnerCycleError if an owner reaches `targets` (an object, or a tuple of them: what holds
+    the graph of `key`): retaining it would make a cycle that keeps the graph alive forever."""
+    wanted = targets if isinstance(targets, tuple) else (targets,)
+    for owner in owners:
+        if refers_to(owner, wanted):
+            raise OwnerCycleError(
+                f"{type(owner).__name__} refers back to graph {key.describe()}; retaining it "
+                "would make a reference cycle that keeps the graph alive forever"
+            )
 
 
 def refers_to(root: Any, targets: tuple[Any, ...]) -> bool:

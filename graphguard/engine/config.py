@@ -110,6 +110,9 @@ class GraphConfig:
     # eager runs of a key on its graph's stream before the capture: the engine compiles its
     # kernels at start, so one does (the runtime's default, for any function, is two)
     capture_warmups: int = 1
+    # a lazy start (no warmup) captures the smallest decode key and prefill bucket, so the
+    # payback rule knows what a capture costs before traffic earns one (graphs.py)
+    price_captures: bool = True
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     # when traffic earns a key (graphguard/core/admission.py): the engine's default adds the
@@ -195,6 +198,7 @@ GRAPH_SETTINGS = {
     "warmup_graphs": "warmup",
     "prefill_graphs": "prefill",
     "background_capture": "background_capture",
+    "price_captures": "price_captures",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,7 @@ from graphguard.engine.parallel.ranks import LeaderLink
 from graphguard.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from graphguard.engine.scheduler import Scheduler
 from graphguard.engine.sequence import Sequence
+from graphguard.engine.step_trace import StepTrace
 from graphguard.engine.structured import GrammarCompiler
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
 from graphguard.kernels import select_kernels
@@ -120,6 +122,8 @@ class LLMEngine:
         self._num_steps = 0
         self._num_generated_tokens = 0
         self._num_steps_ahead = 0  # decode steps launched before the last one's tokens were read
+        self._trace = StepTrace.from_env()  # the step timeline, when asked for
+        self._capture_work = (0, 0.0)  # units of a capture in flight before the last step, s
         # Image input (random-weight tower; see graphguard/engine/vision.py).
         hidden_size = self.model_config.hidden_size
         self.vision = engine_vision_encoder(
@@ -195,6 +199,8 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
             self._seqs[request_id] = seq
+            if self._trace is not None:
+                self._trace.added(request_id, len(prompt_token_ids))
             self._detokenizers[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.stop
             )
@@ -247,7 +253,20 @@ class LLMEngine:
         """One scheduler iteration: decode one token for the running requests, prefill the next
         chunk of the others (graphguard.engine.scheduler); only requests that decoded or
         finished their prompt get a token. A graph capture in flight between steps advances
-        first, by bounded units, as its pacing allows (graphguard/engine/capture_pacing.py)."""
+        first, by bounded units, as its pacing allows (graphguard/engine/capture_pacing.py).
+        With GRAPHGUARD_STEP_TRACE set, each step is a line of the trace (step_trace.py)."""
+        started = time.perf_counter()
+        outputs = self._step()
+        if self._trace is not None:
+            units, seconds = self._capture_work
+            self._trace.step(
+                started, waiting=len(self.scheduler.waiting),
+                running=len(self.scheduler.running), outputs=len(outputs),
+                capture_units=units, capture_ms=seconds * 1e3, steps_ahead=self._num_steps_ahead,
+            )  # fmt: skip
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         with self.lifecycle_lock:
             self._check_open()
             if self.graphs is not None:
@@ -256,7 +275,9 @@ class LLMEngine:
                 # launched ahead may still run on the device, and the units' work on the entry's
                 # stream waits for it. None while requests wait for their first token, within a
                 # bound (capture_pacing.py).
-                self.graphs.before_step(self.scheduler.has_pending_prefills())
+                started = time.perf_counter()
+                units = self.graphs.before_step(self.scheduler.has_pending_prefills())
+                self._capture_work = (units, time.perf_counter() - started)
             outputs, self._pending = self._pending, []
             ahead, self._ahead = self._ahead, None
             if ahead is not None and any(seq.is_running for seq in ahead.seqs):
@@ -455,6 +476,8 @@ class LLMEngine:
             if graphs is not None:
                 graphs.close()  # closed runners run eagerly if called; no step runs from here
             self.kv.release()
+            if self._trace is not None:
+                self._trace.close()
 
     def _check_open(self) -> None:
         if self._is_shut_down:

@@ -59,6 +59,10 @@ def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ..
     )
 
 
+WARM_UP_ROWS = (1, 2, 16)  # one decode batch of each class of Triton's integer specialization
+MIN_PREFILL_TOKENS = 16  # the smallest token bucket of a packed prefill
+
+
 class EagerForward:
     """decode_fn and prefill_fn of one model over one paged KV cache, without graphs."""
 
@@ -92,11 +96,16 @@ class EagerForward:
     def warm_up(self) -> None:
         """Decodes of one and of several attention splits and a short prefill, all in the
         dummy block, so kernel compiles and library first calls happen here rather than in the
-        first requests' steps."""
+        first requests' steps.
+
+        NOTE: Triton compiles a kernel again for each class of its integer arguments (1, a
+        multiple of 16, any other), so the decodes take batches of 1, 2 and 16 rows: an eager
+        step of 11 rows or a graph of 16 then finds its kernels compiled."""
         device = self.model.embed_tokens.weight.device
-        for width in (MIN_WIDTH_BLOCKS, 4 * MIN_WIDTH_BLOCKS):
-            self.decode(*padding_decode_batch(1, width, device))
-        self.prefill(*dummy_prefill_inputs(16, self.kv, device), None)
+        for rows in WARM_UP_ROWS:
+            for width in (MIN_WIDTH_BLOCKS, 4 * MIN_WIDTH_BLOCKS):
+                self.decode(*padding_decode_batch(rows, width, device))
+        self.prefill(*dummy_prefill_inputs(MIN_PREFILL_TOKENS, self.kv, device), None)
 
     def prefill(
         self,

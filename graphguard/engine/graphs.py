@@ -31,7 +31,8 @@ from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
-from graphguard.engine.forward import EagerForward
+from graphguard.engine.forward import MIN_PREFILL_TOKENS, EagerForward
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS
 from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
 
@@ -94,6 +95,7 @@ class EngineGraphs:
         role: RankRole | None = None,
     ) -> None:
         self.config = config
+        self.role = role
         self.enabled_reason = GraphCapability.ENABLED.value
         self.metrics = GraphMetrics()  # one registry for the decode and prefill graphs
         self.registry = self.metrics.registry
@@ -152,6 +154,8 @@ class EngineGraphs:
         if self.config.manifest:
             _prewarm_from(self.decode, self.config.manifest)
         if not self.config.warmup:
+            if self.config.price_captures:
+                self._price_captures()
             return
         batch_sizes, widths = warmup_keys
         report = self.decode.warmup(batch_sizes, widths)
@@ -170,11 +174,25 @@ class EngineGraphs:
                 report.seconds,
             )
 
-    def before_step(self, has_pending_prefills: bool) -> None:
-        """Run what the coming step may of the captures in flight (see module docstring).
-        The kill switch is never put off: the next advance cancels them."""
-        if self.has_capture_in_flight:
-            self.pacer.before_step(has_pending_prefills and not kill_switch_on())
+    def _price_captures(self) -> None:
+        """A lazy start captures the smallest key of each runner (a decode of one row at the
+        narrowest width, a 16-token prefill): what they cost prices the captures that traffic
+        earns (the admission's payback rule), before a request pays for the lesson. Not under
+        tensor parallelism, where rank 0 learns the price from the first capture earned."""
+        if self.role is not None:
+            return
+        if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
+            self.decode.warmup([min(self.config.batch_buckets)], [MIN_WIDTH_BLOCKS], progress=False)
+        if self.prefill is not None and not self.prefill.runner.policy.knows_a_price:
+            self.prefill.warmup([MIN_PREFILL_TOKENS], progress=False)
+
+    def before_step(self, has_pending_prefills: bool) -> int:
+        """Run what the coming step may of the captures in flight (see module docstring);
+        how many units ran. The kill switch is never put off: the next advance cancels
+        them."""
+        if not self.has_capture_in_flight:
+            return 0
+        return self.pacer.before_step(has_pending_prefills and not kill_switch_on())
 
     def advance_capture(self) -> bool:
         """One unit of work of a capture in flight between steps (decode and prefill take

@@ -18,7 +18,7 @@ from torch import Tensor
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.batch import ScheduledBatch
 from graphguard.engine.decode_inputs import DecodeInputs
-from graphguard.engine.forward import DECODE_PAD, ImageSplice, image_splice
+from graphguard.engine.forward import DECODE_PAD, MIN_PREFILL_TOKENS, ImageSplice, image_splice
 from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.sampling import token_logprobs
@@ -195,7 +195,7 @@ def prefill_token_bucket(num_tokens: int) -> int:
     of prompts split over two steps still lands on few keys; above it a multiple of a quarter
     of the power of two below (128 for 512-1023, 256 for 1024-2047, ...), padding under 25%."""
     if num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
-        return max(16, 1 << (num_tokens - 1).bit_length())
+        return max(MIN_PREFILL_TOKENS, 1 << (num_tokens - 1).bit_length())
     step = 1 << (num_tokens.bit_length() - 3)
     return -(-num_tokens // step) * step
 
@@ -205,4 +205,5 @@ def warmup_prefill_tokens(max_num_batched_tokens: int) -> list[int]:
     bucket of a step's token budget, at most POWER_OF_TWO_PREFILL_TOKENS (the buckets that
     small prompts, and waves of them, land on; larger keys are earned by traffic)."""
     top = min(POWER_OF_TWO_PREFILL_TOKENS, prefill_token_bucket(max_num_batched_tokens))
-    return [1 << i for i in range(4, top.bit_length()) if 1 << i <= top]
+    first = MIN_PREFILL_TOKENS.bit_length() - 1
+    return [1 << i for i in range(first, top.bit_length()) if 1 << i <= top]

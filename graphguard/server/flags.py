@@ -273,6 +273,8 @@ NOT_FLAGS = {
     "prefill_admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
     "capture_pacing": "pacing of captures between steps is a CapturePacing object (GraphConfig "
     "in Python)",
+    "price_captures": "a lazy start prices captures with one capture of each kind (GraphConfig "
+    "in Python)",
 }
 _GRAPH_FIELD_SETTING = {field: setting for setting, field in GRAPH_SETTINGS.items()}
 

@@ -386,6 +386,7 @@ def tiny_engine(loaded, **overrides):
 
     settings = dict(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=64, block_size=4)
     settings.update(num_kv_blocks=40, batch_buckets=(1, 2, 4), graph_backend="sim")
+    settings.update(price_captures=False)  # no graph at a lazy start but what a manifest gives
     return LLMEngine(engine_config(**{**settings, **overrides}), loaded)
 
 
@@ -418,6 +419,19 @@ def test_engine_with_a_graph_manifest_starts_with_the_same_decode_keys(decode_ma
     try:
         assert set(engine.graphs.decode.runner.admitted_keys()) == keys
         assert engine.graphs.stats()["captures"] == len(keys)
+    finally:
+        engine.shutdown()
+
+
+def test_a_manifest_prices_the_decode_captures_of_a_lazy_start(decode_manifest):
+    path, keys = decode_manifest
+    assert {key.rows for key in keys} != {1}  # a decode of one row would be the price's probe
+    engine = tiny_engine(tiny_loaded(), graph_manifest=str(path), price_captures=True)
+    try:
+        # the manifest's captures priced the decode graphs: no probe besides them; the prefill
+        # graphs, which the manifest does not hold, are priced by one 16-token group
+        assert set(engine.graphs.decode.runner.admitted_keys()) == keys
+        assert engine.graphs.stats()["prefill"]["captures"] == 1
     finally:
         engine.shutdown()
 
