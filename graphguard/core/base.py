@@ -249,13 +249,31 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         """Capture `keys` up front on their example inputs (`_example`, as a capture between
         calls runs on), largest first, within the budget: each one taken is prewarmed."""
         report, started = WarmupReport(), time.perf_counter()
-        ordered = sorted(keys, key=lambda k: k.input_bytes, reverse=True)
-        bar = tqdm(ordered, desc=f"graphguard warmup {self.name}", disable=not progress)
+        plans = [(plan, call) for call, plan in map(self._example, keys)]
+        return self._warm_plans(plans, report, started, progress)
+
+    def _warm_plans(
+        self,
+        plans: list[tuple[CallPlan, C]],
+        report: WarmupReport,
+        started: float,
+        progress: bool,
+    ) -> WarmupReport:
+        """Warm-up captures of planned calls, largest key first, with a progress bar; the
+        report, its time counted from `started`."""
+        plans.sort(key=lambda p: p[0].key.input_bytes, reverse=True)
+        bar = tqdm(plans, desc=f"graphguard warmup {self.name}", disable=not progress)
         with self._lock:
-            for key in bar:
-                call, plan = self._example(key)
+            for plan, call in bar:
                 self._warm_one(plan, call, report)
         report.seconds = time.perf_counter() - started
+        log.info(
+            "graphguard warmup runner=%s captured=%d skipped=%d seconds=%.2f",
+            self.name,
+            len(report.captured),
+            len(report.skipped),
+            report.seconds,
+        )
         return report
 
     def _warm_one(self, plan: CallPlan, call: C, report: WarmupReport) -> None:

@@ -265,12 +265,11 @@ def _spec(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def check_owners(owners: Sequence[Any], targets: Any, key: GraphKey) -> None:
-    """OwnerCycleError if an owner reaches `targets` (an object, or a tuple of them: what holds
-    the graph of `key`): retaining it would make a cycle that keeps the graph alive forever."""
-    wanted = targets if isinstance(targets, tuple) else (targets,)
+def check_owners(owners: Sequence[Any], targets: tuple[Any, ...], key: GraphKey) -> None:
+    """OwnerCycleError if an owner reaches `targets` (what holds the graph of `key`): retaining
+    it would make a cycle that keeps the graph alive forever."""
     for owner in owners:
-        if refers_to(owner, wanted):
+        if refers_to(owner, targets):
             raise OwnerCycleError(
                 f"{type(owner).__name__} refers back to graph {key.describe()}; retaining it "
                 "would make a reference cycle that keeps the graph alive forever"

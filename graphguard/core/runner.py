@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from graphguard.core.admission import AdmissionConfig, Clock
 from graphguard.core.backends import Backend, CaptureError
 from graphguard.core.background import CaptureUnits
@@ -251,20 +249,7 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
                 report.skipped[repr(args)[:80]] = plan.value
             else:
                 plans.append((plan, tuple(args)))
-        plans.sort(key=lambda p: p[0].key.input_bytes, reverse=True)
-        bar = tqdm(plans, desc=f"graphguard warmup {self.name}", disable=not progress)
-        with self._lock:
-            for plan, args in bar:
-                self._warm_one(plan, args, report)
-        report.seconds = time.perf_counter() - started
-        log.info(
-            "graphguard warmup runner=%s captured=%d skipped=%d seconds=%.2f",
-            self.name,
-            len(report.captured),
-            len(report.skipped),
-            report.seconds,
-        )
-        return report
+        return self._warm_plans(plans, report, started, progress)
 
     # -- lifecycle and introspection -------------------------------------------------------
     def entries(self) -> list[EntryInfo]:

@@ -187,36 +187,23 @@ def paged_prefill_attention(
         if meta.seq_lens_cpu is None or meta.query_lens_cpu is None:
             raise ValueError("prefill needs seq_lens_cpu and query_lens_cpu")
         groups = plan_prefill_groups(meta.query_lens_cpu, meta.seq_lens_cpu, q.device)
-    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-        return _attend_groups(q, k, v, k_cache, v_cache, meta, scale, groups)
-
-
-def _attend_groups(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    groups: tuple[PrefillGroup, ...],
-) -> Tensor:
     out = torch.empty_like(q)
-    for group in groups:
-        rows = slice(group.start, group.end)
-        if group.cached_row is not None:
-            table = meta.block_tables[group.cached_row]
-            k_seq, v_seq = _gather_context(k_cache, v_cache, table, group.context_len)
-            out[rows] = _causal_sdpa(q[rows], k_seq, v_seq, scale)
-            continue
-        if group.gather is None:
-            out[rows] = _causal_sdpa(q[rows], k[rows], v[rows], scale)
-            continue
-        assert group.src is not None and group.dest is not None and group.mask is not None
-        qp, kp, vp = (_padded(x, group) for x in (q, k, v))
-        attended = _masked_sdpa(qp, kp, vp, group.mask, scale)
-        flat = attended.transpose(1, 2).reshape(group.num_seqs * group.length, *q.shape[1:])
-        out.index_copy_(0, group.dest, flat.index_select(0, group.src))
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        for group in groups:
+            rows = slice(group.start, group.end)
+            if group.cached_row is not None:
+                table = meta.block_tables[group.cached_row]
+                k_seq, v_seq = _gather_context(k_cache, v_cache, table, group.context_len)
+                out[rows] = _causal_sdpa(q[rows], k_seq, v_seq, scale)
+                continue
+            if group.gather is None:
+                out[rows] = _causal_sdpa(q[rows], k[rows], v[rows], scale)
+                continue
+            assert group.src is not None and group.dest is not None and group.mask is not None
+            qp, kp, vp = (_padded(x, group) for x in (q, k, v))
+            attended = _masked_sdpa(qp, kp, vp, group.mask, scale)
+            flat = attended.transpose(1, 2).reshape(group.num_seqs * group.length, *q.shape[1:])
+            out.index_copy_(0, group.dest, flat.index_select(0, group.src))
     return out
 
 

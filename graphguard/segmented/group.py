@@ -135,7 +135,7 @@ def capture_group(
     # new), so each owner is searched for a cycle once, against the group: a search walks the
     # owner's whole object graph (a model: 20 ms and more), once per segment was most of a
     # group capture's time.
-    check_owners(owners, group, group.key)
+    check_owners(owners, (group,), group.key)
     for piece in pieces:
         if not isinstance(piece, Segment):
             carry = run_piece(piece, carry, context)
