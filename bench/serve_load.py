@@ -267,6 +267,8 @@ def graphs_during_load(name: str, before: dict, after: dict) -> dict[str, Any]:
         f"{name}_fallbacks": fallbacks,
         # the longest unit of work a capture between steps added to one step (0: none ran)
         f"{name}_capture_unit_max_ms": after.get("background_unit_max_ms", 0.0),
+        # the mean work of an admitted capture, at start and during the load (payback's price)
+        f"{name}_capture_price_ms": after.get("capture_price_ms"),
     }
 
 

@@ -170,6 +170,11 @@ class AdmissionPolicy:
         self._num_prices += 1
 
     @property
+    def mean_price(self) -> float | None:
+        """The mean work of this runner's admitted captures, in seconds; None before any."""
+        return self._price_sum / self._num_prices if self._num_prices else None
+
+    @property
     def knows_a_price(self) -> bool:
         """Whether a capture of this runner has been admitted (and priced)."""
         return self._num_prices > 0
@@ -178,7 +183,7 @@ class AdmissionPolicy:
         """What a capture of `key` is expected to cost in capture work; None before any."""
         if key in self._prices:
             return self._prices[key]
-        return self._price_sum / self._num_prices if self._num_prices else None
+        return self.mean_price
 
     def record_eviction(self, key: GraphKey) -> None:
         self._evicted_at.setdefault(key, deque()).append(self.clock())

@@ -343,6 +343,7 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
     def _base_stats(self) -> dict[str, Any]:
         self._sync_gauges()  # quarantines expire with time, not with an event
         stats = self._counts.snapshot()
+        price = self.policy.mean_price
         stats.update(
             name=self.name,
             backend=self.backend.name if self.backend is not None else None,
@@ -357,5 +358,7 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
             quarantined_keys=self.policy.num_quarantined(),
             hit_rate=round(stats["replays"] / (stats["calls"] or 1), 4),
             admission=asdict(self.policy.counters),
+            # what an admitted capture cost in work, on average (the payback rule's price)
+            capture_price_ms=round(price * 1e3, 3) if price is not None else None,
         )
         return stats

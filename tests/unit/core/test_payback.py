@@ -104,6 +104,7 @@ def test_a_runner_prices_its_captures_and_times_its_eager_calls(make_runner, clo
     # first replay, the eager parity run), which prices the next key
     assert runner.stats()["captures"] == 1
     assert runner.policy.price(key("unseen")) == pytest.approx(3.0)
+    assert runner.stats()["capture_price_ms"] == pytest.approx(3000.0)
     for _ in range(3):
         runner(*inputs(2, width=5))  # 1 s of excess each: 0, 1, 2 s before the call
     assert runner.stats()["captures"] == 1
