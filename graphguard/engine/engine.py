@@ -44,7 +44,7 @@ from graphguard.engine.sequence import Sequence
 from graphguard.engine.step_trace import StepTrace
 from graphguard.engine.structured import GrammarCompiler
 from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
-from graphguard.kernels import select_kernels
+from graphguard.kernels import kernel_set_class, select_kernels
 
 log = logging.getLogger("graphguard")
 
@@ -52,9 +52,7 @@ log = logging.getLogger("graphguard")
 def _load(config: EngineConfig) -> LoadedModel:
     """The model `config` names, on its device and in its dtype."""
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    if config.kernels == "q4":
-        dtype = torch.float32  # NOTE: 4-bit GEMMs pack the float32 weights (kernels/q4.py)
+    dtype = kernel_set_class(config.kernels).load_dtype or resolve_dtype(config.dtype, device)
     return load_model(config.model, dtype=dtype, device=str(device))
 
 
@@ -81,9 +79,9 @@ class LLMEngine:
         loaded = loaded if loaded is not None else _load(config)
         # A model loaded elsewhere keeps its own placement; KV follows it.
         weight = next(loaded.model.parameters())
-        self.device, self.dtype = weight.device, weight.dtype
-        if config.kernels == "q4":
-            self.dtype = torch.bfloat16  # the kernels' prepare() turns the model to it
+        self.device = weight.device
+        # the kernels' prepare() may turn the model to another dtype (kernels/q4.py)
+        self.dtype = kernel_set_class(config.kernels).run_dtype or weight.dtype
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -446,10 +444,9 @@ class LLMEngine:
                 "reload_weights is not supported with tensor parallelism: each rank holds a "
                 "shard of the weights; restart with the new ones"
             )
-        if self.kernels.name == "torch-q4":
+        if (why := self.kernels.kernels.no_reload) is not None:
             raise RuntimeError(
-                "reload_weights is not supported with --kernels q4: the 4-bit weights are packed "
-                "from float32 ones at start; restart with the new ones"
+                f"reload_weights is not supported with the {self.kernels.name} kernels: {why}"
             )
         with self.lifecycle_lock:
             self._check_open()

@@ -51,6 +51,16 @@ def triton_missing(device: torch.device) -> str | None:
     return None
 
 
+def kernel_set_class(choice: KernelChoice | str) -> type[TorchKernels]:
+    """The class of the set `choice` names, for what it asks of the engine before the model
+    is loaded (its load and run dtypes); ``auto`` and ``triton`` ask nothing of it."""
+    if KernelChoice(choice) is KernelChoice.Q4:
+        from graphguard.kernels.q4 import Q4Kernels
+
+        return Q4Kernels
+    return TorchKernels
+
+
 def select_kernels(
     choice: KernelChoice | str, device: torch.device, dtype: torch.dtype
 ) -> KernelSelection:

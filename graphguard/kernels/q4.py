@@ -82,6 +82,9 @@ class Q4Kernels(TorchKernels):
     Q8_0) is the plain one."""
 
     name = "torch-q4"
+    load_dtype = torch.float32  # the 4-bit levels are read back from float32 weights
+    run_dtype = torch.bfloat16  # prepare() turns the model to it
+    no_reload = "the 4-bit weights are packed from float32 ones at start; restart with the new ones"
 
     def __init__(self) -> None:
         self._packed: dict[tuple[int, tuple[int, ...]], Q4Weight] = {}

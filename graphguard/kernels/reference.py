@@ -99,6 +99,12 @@ class TorchKernels:
     """The decoder's kernels as plain PyTorch ops (several launches each)."""
 
     name = "torch"
+    # what the engine loads the weights in for prepare(), and runs the model in after it
+    # (None: the engine's dtype for both)
+    load_dtype: torch.dtype | None = None
+    run_dtype: torch.dtype | None = None
+    # why weights loaded in place (reload_weights) cannot serve this set; None: they can
+    no_reload: str | None = None
 
     def prepare(self, model: nn.Module) -> None:
         """Ready the set for `model`'s weights (at start and after weights are loaded in
