@@ -231,3 +231,21 @@ def test_decode_and_prefill_graphs_charge_what_the_allocator_holds(loaded):
         assert abs((with_graphs - without) - charged) <= 2 << 20, (with_graphs, without, charged)
     finally:
         engine.shutdown()
+
+
+def test_a_lazy_start_prices_captures_and_payback_defers_keys_until_they_pay(loaded):
+    eager = make(loaded, enforce_eager=True)
+    graphs = make(loaded, background_capture=True)  # the engine's default admission: payback
+    try:
+        start = graphs.graphs.stats()
+        # one decode key and one prefill group captured at start, their work the price
+        assert start["captures"] == 1 and start["prefill"]["captures"] == 1
+        assert start["capture_price_ms"] > 0 and start["prefill"]["capture_price_ms"] > 0
+        assert staggered(graphs) == staggered(eager)
+        while graphs.has_capture_in_flight():
+            graphs.step()
+        stats = graphs.graphs.stats()
+        assert stats["admission"]["awaiting_payback"] > 0 and stats["parity_mismatches"] == 0
+    finally:
+        eager.shutdown()
+        graphs.shutdown()

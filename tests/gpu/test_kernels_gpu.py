@@ -194,3 +194,23 @@ def test_fused_and_reference_paths_agree_on_logits_and_greedy_tokens(fused, pres
     clear = (top2[:, 0] - top2[:, 1]) > 0.05 * expected.std()  # not a near tie
     assert clear.sum() >= 8
     assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
+
+
+def test_masked_prefill_attention_runs_on_the_memory_efficient_kernel():
+    """Grouped prefill attention (a boolean mask, fewer K/V heads than query heads) runs on
+    the memory-efficient kernel alone, not on cuDNN's per-shape plans or the math kernel, and
+    agrees with float32 math."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from graphguard.engine.attention import _masked_sdpa
+
+    q = torch.randn(12, 9, 16, 64, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(12, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(12, 1, 16, 16, device="cuda", dtype=torch.bool).tril()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = _masked_sdpa(q, kv, kv, mask, 0.125)
+    wide = kv.float().repeat_interleave(3, dim=1)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), wide, wide, attn_mask=mask, scale=0.125
+    )
+    torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)
