@@ -128,12 +128,18 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return start_ranks(config)[0]
 
 
-def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
+def uvicorn_config(
+    app: Any, config: ServerConfig, on_header_timeout: Callable[[bool], None] | None = None
+) -> uvicorn.Config:
     """uvicorn's settings for serving `app` under `config`: its HTTP protocol is h11 with a
-    deadline for request headers (graphguard/server/timeouts.py)."""
+    deadline for request headers (graphguard/server/timeouts.py), whose timeouts go to
+    `on_header_timeout` (the server's metrics) when given."""
     from graphguard.server.timeouts import HeaderTimeoutProtocol
 
-    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=config.header_timeout_s)
+    extra = {"on_timeout": on_header_timeout} if on_header_timeout is not None else {}
+    protocol = functools.partial(
+        HeaderTimeoutProtocol, header_timeout_s=config.header_timeout_s, **extra
+    )
     return uvicorn.Config(
         app,
         host=config.host,
@@ -146,7 +152,7 @@ def uvicorn_config(app: Any, config: ServerConfig) -> uvicorn.Config:
 
 def serve(app: Any, config: ServerConfig) -> int:
     """Run `app` under uvicorn until SIGINT or SIGTERM; 0 after a clean shutdown."""
-    uv_config = uvicorn_config(app, config)
+    uv_config = uvicorn_config(app, config, app.state.serving.metrics.record_header_timeout)
     server = AbortingServer(uv_config, on_shutdown=app.state.serving.engine.abort_all)
     # NOTE: uvicorn re-raises the signal it caught once it has shut down, under the handlers
     # that were installed before it started. Installing no-op handlers here makes a clean

@@ -75,7 +75,18 @@ class ServerMetrics:
         self.generation_tokens = Counter(
             "graphguard_server_generation_tokens", "Tokens generated", registry=r
         )
+        self.header_timeouts = Counter(
+            "graphguard_server_header_timeouts",
+            "Connections closed because a request's headers did not arrive within "
+            "--header-timeout-s: answered with a 408 (part of a head had come) or not (none)",
+            ["response"],
+            registry=r,
+        )
         self._init_gauges()
+
+    def record_header_timeout(self, answered: bool) -> None:
+        """A connection closed at its header deadline (graphguard/server/timeouts.py)."""
+        self.header_timeouts.labels("408" if answered else "none").inc()
 
     def _init_gauges(self) -> None:
         r = self.registry

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -37,12 +38,20 @@ class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request head: `header_timeout_s` from
     the connection's start, or from the first byte of a later request on it. A client that
     sent part of a head by then gets a 408 and the connection closes; one that sent nothing
-    is closed. Build it with `functools.partial(HeaderTimeoutProtocol, header_timeout_s=...)`.
+    is closed. Build it with `functools.partial(HeaderTimeoutProtocol, header_timeout_s=...)`;
+    `on_timeout`, if given, is told of each (the server counts them in /metrics).
     """
 
-    def __init__(self, *args: Any, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        header_timeout_s: float,
+        on_timeout: Callable[[bool], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
+        self.on_timeout = on_timeout  # told of each deadline met: whether a 408 was sent
         self._header_deadline: asyncio.TimerHandle | None = None
         self._num_head_bytes = 0  # bytes received towards the head being awaited
 
@@ -80,7 +89,10 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._header_deadline = None
         if self.transport.is_closing() or not self._is_awaiting_head():
             return
-        if self._num_head_bytes:
+        answered = self._num_head_bytes > 0
+        if answered:
             message = f"The request headers did not arrive within {self.header_timeout_s:g} s."
             self.transport.write(timeout_response(message))
         self.transport.close()
+        if self.on_timeout is not None:
+            self.on_timeout(answered)

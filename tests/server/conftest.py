@@ -55,7 +55,10 @@ def serve(
     server_fields.setdefault("log_level", "warning")
     config = ServerConfig(port=free_port(), engine=engine_config, **server_fields)
     # The settings `graphguard serve` runs with (its HTTP protocol and deadlines included).
-    uv = uvicorn.Server(uvicorn_config(build_app(engine, config), config))
+    app = build_app(engine, config)
+    uv = uvicorn.Server(
+        uvicorn_config(app, config, app.state.serving.metrics.record_header_timeout)
+    )
     thread = threading.Thread(target=uv.run, name="test-uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -89,9 +89,18 @@ def _get_health(sock: socket.socket) -> bytes:
     return data.partition(b"\r\n\r\n")[0]
 
 
+def _header_timeouts(server: RunningServer, response: str) -> float:
+    """The server's count of header timeouts with `response` ("408" or "none"), in /metrics."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=5).text
+    line = f'graphguard_server_header_timeouts_total{{response="{response}"}} '
+    values = [float(row.removeprefix(line)) for row in text.splitlines() if row.startswith(line)]
+    return values[0] if values else 0.0
+
+
 def test_clients_dribbling_headers_get_a_408_while_others_are_served(
     strict: RunningServer,
 ) -> None:
+    counted = _header_timeouts(strict, "408")
     slow = [_connect(strict) for _ in range(NUM_SLOW_CLIENTS)]
     started = time.monotonic()
     for sock in slow:
@@ -106,15 +115,18 @@ def test_clients_dribbling_headers_get_a_408_while_others_are_served(
             status, error = _status_and_error(_read_all(sock))
             assert status == 408 and error["code"] == "request_timeout"
     assert time.monotonic() - started < HEADER_TIMEOUT_S + 2 * SLACK_S
+    assert _header_timeouts(strict, "408") == counted + NUM_SLOW_CLIENTS  # and /metrics says so
 
 
 def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(
     strict: RunningServer,
 ) -> None:
+    counted = _header_timeouts(strict, "none")
     started = time.monotonic()
     with _connect(strict) as sock:
         assert _read_all(sock) == b""  # closed, without an answer to a request never made
     assert HEADER_TIMEOUT_S <= time.monotonic() - started < HEADER_TIMEOUT_S + SLACK_S
+    assert _header_timeouts(strict, "none") == counted + 1
 
 
 def test_a_body_sent_too_slowly_gets_a_408(strict: RunningServer) -> None:
