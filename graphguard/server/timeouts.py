@@ -1,5 +1,6 @@
 """How long a client may take to send a request: its headers (`HeaderTimeoutProtocol`, here)
-and its body (`BodyLimitMiddleware`, graphguard/server/body_limit.py).
+and its body (`BodyLimitMiddleware`, graphguard/server/body_limit.py). The same protocol
+answers a request head that cannot be parsed with an OpenAI error body.
 
 uvicorn bounds only the idle time between requests on a kept-alive connection
 (`timeout_keep_alive`) and the size of a request head (h11's 16 KiB); a client that connects
@@ -67,6 +68,20 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().data_received(data)
         if not self._is_awaiting_head():  # the head is in: its route reads the body
             self._disarm()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request head h11 cannot parse: an OpenAI error body (uvicorn's own is plain text),
+        then the connection closes."""
+        error = APIError(400, f"Malformed HTTP request: {msg}", code="malformed_request")
+        body = json.dumps(error_body(error)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

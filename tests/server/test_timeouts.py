@@ -164,3 +164,17 @@ def test_deadlines_must_be_positive() -> None:
             ServerConfig(header_timeout_s=value)
         with pytest.raises(ValueError, match="body_timeout_s"):
             ServerConfig(body_timeout_s=value)
+
+
+def test_a_malformed_request_head_gets_an_openai_error_and_the_server_goes_on(
+    strict: RunningServer,
+) -> None:
+    with _connect(strict) as sock:
+        sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
+        response = _read_all(sock)
+    head = response.partition(b"\r\n\r\n")[0].lower()
+    assert b"content-type: application/json" in head
+    status, error = _status_and_error(response)
+    assert status == 400 and error["code"] == "malformed_request"
+    assert error["type"] == "invalid_request_error"
+    assert httpx.get(f"{strict.base_url}/health", timeout=5).status_code == 200
