@@ -22,8 +22,9 @@ policy decides *whether* to capture, not only what to evict:
    replay time. This is the break-even rule of rent-or-buy: a key called without end is
    captured after at most `payback` captures' worth of eager time, and a key that stops being
    called before that never costs a capture, so capture work plus eager excess stays within
-   (1 + payback) times the cheaper of the two whatever traffic does (2x at payback 1). Until
-   the runner has admitted a capture it knows no price, and `min_hits` alone decides.
+   1 + max(payback, 1 / payback) times the cheaper of the two whatever traffic does (2x at
+   payback 1, the best such bound), plus one call's excess. Until the runner has admitted a
+   capture it knows no price, and `min_hits` alone decides.
 
 Every decision reads the injected clock, so tests drive time by hand.
 """

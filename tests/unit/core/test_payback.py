@@ -112,3 +112,24 @@ def test_a_runner_prices_its_captures_and_times_its_eager_calls(make_runner, clo
     runner(*inputs(2, width=5))  # 3 s of excess: paid back
     assert runner.stats()["captures"] == 2
     assert runner.stats()["fallbacks"] == {"admission_deferred": 3}
+
+
+@pytest.mark.parametrize("eager_s", [0.3, 1.0, 2.5])
+def test_capture_work_and_eager_excess_stay_within_twice_the_cheaper_choice(eager_s):
+    """Rent or buy: whether a key is called once or without end, what the rule spends (eager
+    excess until it captures, then the price) is at most twice what the better of capturing at
+    once and never capturing would have, plus one call."""
+    price = 3.0
+    for num_calls in range(1, 40):
+        policy = AdmissionPolicy(AdmissionConfig(min_hits=1, payback=1.0))
+        policy.record_price(key("priced"), price)
+        spent = 0.0
+        for _ in range(num_calls):
+            policy.record_call(key("b"))
+            if policy.blocked(key("b")) is None:
+                spent += price  # captured: every later call replays
+                break
+            policy.record_eager(key("b"), eager_s)
+            spent += eager_s
+        cheaper = min(price, num_calls * eager_s)
+        assert spent <= 2 * cheaper + eager_s, (num_calls, spent, cheaper)
