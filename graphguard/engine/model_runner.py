@@ -206,4 +206,4 @@ def warmup_prefill_tokens(max_num_batched_tokens: int) -> list[int]:
     small prompts, and waves of them, land on; larger keys are earned by traffic)."""
     top = min(POWER_OF_TWO_PREFILL_TOKENS, prefill_token_bucket(max_num_batched_tokens))
     first = MIN_PREFILL_TOKENS.bit_length() - 1
-    return [1 << i for i in range(first, top.bit_length()) if 1 << i <= top]
+    return [1 << i for i in range(first, top.bit_length())]  # top is a power of two
