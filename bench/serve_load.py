@@ -223,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
             summary.update(
                 graphs_during_load("prefill", graphs_before["prefill"], graphs["prefill"])
             )
+            if graphs["prefill"].get("rows") and graphs_before["prefill"].get("rows"):
+                # short prefills, run as rows through whole graphs
+                rows_before, rows = graphs_before["prefill"]["rows"], graphs["prefill"]["rows"]
+                summary.update(graphs_during_load("prefill_rows", rows_before, rows))
     report = {
         "benchmark": "serve_load",
         "mode": args.mode or _default_mode(args),

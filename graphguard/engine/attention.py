@@ -156,7 +156,10 @@ def _build_group(
 
 @dataclass
 class AttentionMetadata:
-    """Where the current tokens' K/V go and what each sequence attends over."""
+    """Where the current tokens' K/V go and what each sequence attends over.
+
+    ``is_prefill`` False: one query token per row, each over its own paged context (a decode,
+    or a short prefill run with its tokens as rows, graphguard/engine/forward.py)."""
 
     is_prefill: bool
     slot_mapping: Tensor  # [num_tokens] int64, on gpu: block * block_size + offset

@@ -35,6 +35,7 @@ from graphguard.segmented import Carry, Stage, run_eager, split_segments
 
 if TYPE_CHECKING:
     from graphguard.engine.sequence import Sequence
+    from graphguard.kernels.reference import TorchKernels
 
 
 # Pad values of decode_fn's arguments, by position: token 0, position 0, block table -> dummy
@@ -59,8 +60,47 @@ def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ..
     )
 
 
-WARM_UP_ROWS = (1, 2, 16)  # one decode batch of each class of Triton's integer specialization
 MIN_PREFILL_TOKENS = 16  # the smallest token bucket of a packed prefill
+
+
+def row_meta(slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor) -> AttentionMetadata:
+    """The metadata of rows that each attend over their own paged context (one query token
+    per row, its K/V written first): decode_attention's calling convention."""
+    num_rows = slot_mapping.shape[0]
+    return AttentionMetadata(
+        is_prefill=False,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=slot_mapping.device),
+    )
+
+
+# The largest packed prefill that runs as rows (`prefills_as_rows`), and its token buckets: the
+# powers of two from MIN_PREFILL_TOKENS up to it.
+ROW_PREFILL_TOKENS = 512
+ROW_BUCKETS = tuple(
+    1 << i for i in range(MIN_PREFILL_TOKENS.bit_length() - 1, ROW_PREFILL_TOKENS.bit_length())
+)
+
+
+def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:
+    """Whether a packed prefill of `num_tokens` tokens (padding included), none of whose
+    sequences attends over more than `longest_context` tokens, runs as rows: each token one
+    row of decode attention over its sequence's paged context up to its own position.
+
+    NOTE: the whole prefill is then one kernel sequence whose shapes depend only on (tokens,
+    table width): eagerly about as many launches as a decode step (grouped SDPA launched 8-12
+    per group and layer, 40-65 ms for a wave of short prompts on an H200), and capturable as
+    one graph (graphguard/engine/prefill_graphs.py). Each row reads its whole context, so rows
+    are kept to short prefills: at most ROW_PREFILL_TOKENS tokens and the kernel set's
+    `row_prefill_area` (tokens x longest context; 0 where the set's decode attention gathers
+    the context, as the reference does)."""
+    area = num_tokens * longest_context
+    return num_tokens <= ROW_PREFILL_TOKENS and 0 < area <= kernels.row_prefill_area
+
+
+WARM_UP_ROWS = (1, 2, 16)  # one decode batch of each class of Triton's integer specialization
 
 
 class EagerForward:
@@ -79,19 +119,26 @@ class EagerForward:
         slot_mapping_gpu: Tensor,
     ) -> Tensor:
         """Logits [B, vocab] of one query token per row: the model's forward and LM head."""
-        num_seqs = input_ids_gpu.shape[0]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=slot_mapping_gpu,
-            block_tables=block_tables_gpu,
-            seq_lens=seq_lens_gpu,
-            query_start_loc=torch.arange(
-                num_seqs + 1, dtype=torch.int32, device=input_ids_gpu.device
-            ),
-        )
         with torch.no_grad():
-            hidden = self.model(input_ids_gpu, positions_gpu, meta, self.kv)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(
+                self.rows(input_ids_gpu, positions_gpu, block_tables_gpu, seq_lens_gpu,
+                          slot_mapping_gpu)
+            )  # fmt: skip
+
+    def rows(
+        self,
+        input_ids_gpu: Tensor,
+        positions_gpu: Tensor,
+        block_tables_gpu: Tensor,
+        seq_lens_gpu: Tensor,
+        slot_mapping_gpu: Tensor,
+    ) -> Tensor:
+        """Hidden states [B, hidden] of one query token per row, each over its paged context
+        (its own K/V written first): a decode batch, or a prefill whose tokens are the rows
+        (`row_prefill_meta`). Takes decode_fn's arguments."""
+        meta = row_meta(slot_mapping_gpu, block_tables_gpu, seq_lens_gpu)
+        with torch.no_grad():
+            return self.model(input_ids_gpu, positions_gpu, meta, self.kv)
 
     def warm_up(self) -> None:
         """Decodes of one and of several attention splits and a short prefill, all in the
@@ -100,22 +147,31 @@ class EagerForward:
 
         NOTE: Triton compiles a kernel again for each class of its integer arguments (1, a
         multiple of 16, any other), so the decodes take batches of 1, 2 and 16 rows: an eager
-        step of 11 rows or a graph of 16 then finds its kernels compiled."""
+        step of 11 rows or a graph of 16 then finds its kernels compiled. Where prefills run
+        as rows, one of each token bucket runs too: on an H200 the first prefill of 128 rows
+        took 52 ms of a server's first step against 34 later (the GEMMs' first calls at that
+        size), so the first requests paid for it."""
         device = self.model.embed_tokens.weight.device
         for rows in WARM_UP_ROWS:
             for width in (MIN_WIDTH_BLOCKS, 4 * MIN_WIDTH_BLOCKS):
                 self.decode(*padding_decode_batch(rows, width, device))
         self.prefill(*dummy_prefill_inputs(MIN_PREFILL_TOKENS, self.kv, device), None)
+        if self.model.kernels.row_prefill_area > 0:
+            for rows in ROW_BUCKETS:
+                self.rows(*padding_decode_batch(rows, MIN_WIDTH_BLOCKS, device))
 
     def prefill(
         self,
-        input_ids_gpu: Tensor,
-        positions_gpu: Tensor,
+        ids: Tensor,
+        positions: Tensor,
         meta: AttentionMetadata,
         splice: ImageSplice | None,
     ) -> Tensor:
-        """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in."""
-        return eager_prefill(self.model, self.kv, input_ids_gpu, positions_gpu, meta, splice)
+        """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in (a
+        prefill planned as rows, `row_prefill_meta`, is run as `rows`)."""
+        if not meta.is_prefill:
+            return self.rows(ids, positions, meta.block_tables, meta.seq_lens, meta.slot_mapping)
+        return eager_prefill(self.model, self.kv, ids, positions, meta, splice)
 
 
 def dummy_prefill_inputs(

@@ -2,7 +2,8 @@
 
 `build_graphs` runs the capability check (deny by default: the first failing condition is
 reported from a closed set) and returns either an `EngineGraphs` or the reason graphs are off.
-`EngineGraphs` owns the decode runner, the segmented prefill runner and their shared metrics,
+`EngineGraphs` owns the decode runner, the prefill runners (whole graphs of short prefills run
+as rows, segmented graphs of the rest: prefill_graphs.py) and their shared metrics,
 and gives the model runner the two step functions it calls. Nothing here patches the engine:
 the engine hands these functions to its ModelRunner when it builds it, and calls
 invalidate() / close() / stats() at reload, shutdown and for /v1/graphs.
@@ -31,7 +32,7 @@ from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
-from graphguard.engine.forward import MIN_PREFILL_TOKENS, EagerForward
+from graphguard.engine.forward import MIN_PREFILL_TOKENS, ROW_PREFILL_TOKENS, EagerForward
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS
 from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
@@ -166,9 +167,9 @@ class EngineGraphs:
             report.seconds,
         )
         if self.prefill is not None and prefill_tokens:
-            report = self.prefill.warmup(prefill_tokens)
+            report = self.prefill.warmup(prefill_tokens, widths)
             log.info(
-                "graphguard prefill warmup: %d of %d token buckets captured in %.1f s",
+                "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured),
                 len(prefill_tokens),
                 report.seconds,
@@ -183,7 +184,7 @@ class EngineGraphs:
             return
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
             self.decode.warmup([min(self.config.batch_buckets)], [MIN_WIDTH_BLOCKS], progress=False)
-        if self.prefill is not None and not self.prefill.runner.policy.knows_a_price:
+        if self.prefill is not None and not self.prefill.knows_a_price:
             self.prefill.warmup([MIN_PREFILL_TOKENS], progress=False)
 
     def before_step(self, has_pending_prefills: bool) -> int:
@@ -262,7 +263,12 @@ def build_graphs(
         config.max_bytes,
     )
     if graphs.prefill is not None:
-        log.info("graphguard prefill graphs on: %d segments", graphs.prefill.runner.num_segments)
+        whole = graphs.prefill.rows is not None
+        log.info(
+            "graphguard prefill graphs on: %s%d segments",
+            f"whole graphs up to {ROW_PREFILL_TOKENS} tokens, above them " if whole else "",
+            graphs.prefill.runner.num_segments,
+        )
     else:
         log.info("graphguard prefill graphs off: prefill=False")
     graphs.start(warmup_keys, prefill_tokens)

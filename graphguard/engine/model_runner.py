@@ -1,7 +1,9 @@
 """Turns a scheduled batch into model inputs and logits.
 
 Prefills run as one call over the packed tokens of all prefilling sequences, through
-``prefill_fn``, image rows spliced in. Decode rows go through ``decode_fn``; its inputs depend
+``prefill_fn``, image rows spliced in. A short prefill without images runs as rows
+(forward.py `prefills_as_rows`): each token a row of decode attention over its sequence's
+context, padded like a decode batch. Decode rows go through ``decode_fn``; its inputs depend
 only on (num_seqs, width), with the block-table width padded up to a power-of-two number of
 blocks (at least MIN_WIDTH_BLOCKS) so that few shapes recur. Both functions are given when the
 runner is built: the eager ones (graphguard/engine/forward.py) or the engine's graphs of the
@@ -18,7 +20,14 @@ from torch import Tensor
 from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.batch import ScheduledBatch
 from graphguard.engine.decode_inputs import DecodeInputs
-from graphguard.engine.forward import DECODE_PAD, MIN_PREFILL_TOKENS, ImageSplice, image_splice
+from graphguard.engine.forward import (
+    DECODE_PAD,
+    MIN_PREFILL_TOKENS,
+    ImageSplice,
+    image_splice,
+    prefills_as_rows,
+    row_meta,
+)
 from graphguard.engine.kv import PagedKVStorage, width_bucket
 from graphguard.engine.models import DecoderModel
 from graphguard.engine.sampling import token_logprobs
@@ -61,6 +70,7 @@ class ModelRunner:
         # so the call fills its bucket and its inputs go to the graph in one copy each
         self.decode_bucket = decode_bucket
         self.decode_inputs = DecodeInputs(device)
+        self.row_inputs = DecodeInputs(device)  # a prefill's as rows (its views live apart)
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -88,10 +98,16 @@ class ModelRunner:
             positions += new_positions
             slots += [self._slot(seq, pos) for pos in new_positions]
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
+        splice = image_splice(seqs, self.device, chunks)
+        bucket = self.prefill_bucket(len(input_ids)) if self.prefill_bucket else len(input_ids)
+        if splice is None and prefills_as_rows(self.model.kernels, bucket, max(seq_lens)):
+            hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, bucket)
+            ends = _cumsum0(chunks)[1:]
+            return self._logits(seqs, chunks, hidden, ends)
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
         tables = [seq.block_table for seq in seqs]
-        pad = self.prefill_bucket(len(input_ids)) - len(input_ids) if self.prefill_bucket else 0
+        pad = bucket - len(input_ids)
         if pad > 0:
             # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
             # attends only over itself, and no real row reads the dummy block.
@@ -114,12 +130,48 @@ class ModelRunner:
             prefill_groups=plan_prefill_groups(query_lens, seq_lens, self.device),
         )
         ids_gpu = self._tensor(input_ids, torch.int64)
-        splice = image_splice(seqs, self.device, chunks)
         hidden = self.prefill_fn(ids_gpu, self._tensor(positions, torch.int64), meta, splice)
-        for seq, start, chunk in zip(seqs, query_start_loc, chunks, strict=False):
+        # the real sequences' rows, not the padding
+        return self._logits(seqs, chunks, hidden, query_start_loc[1 : len(seqs) + 1])
+
+    def _prefill_rows(
+        self,
+        seqs: list[Sequence],
+        chunks: list[int],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        bucket: int,
+    ) -> Tensor:
+        """Hidden states of a prefill run as rows (forward.py `prefills_as_rows`): each token
+        attends over its sequence's paged context up to its own position, padded up to
+        `bucket` rows that read and write only the dummy block."""
+        width = width_bucket(max(len(seq.block_table) for seq in seqs))
+        tables: list[list[int]] = []
+        for seq, chunk in zip(seqs, chunks, strict=True):
+            table = seq.block_table + [DECODE_PAD[2]] * (width - len(seq.block_table))
+            tables += [table] * chunk
+        lens = [position + 1 for position in positions]
+        pad = bucket - len(ids)
+        if pad > 0:
+            pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
+            ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
+            lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
+            tables += [[pad_block] * width] * pad
+        ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu = self.row_inputs.pack(
+            ids, positions, slots, tables, lens
+        )
+        meta = row_meta(slots_gpu, tables_gpu, lens_gpu)
+        return self.prefill_fn(ids_gpu, positions_gpu, meta, None)
+
+    def _logits(
+        self, seqs: list[Sequence], chunks: list[int], hidden: Tensor, ends: list[int]
+    ) -> Tensor:
+        """The logits of each sequence's last prefilled row (its chunk ends at row `ends[i]`),
+        prompt logprobs recorded on the way for those that asked."""
+        for seq, end, chunk in zip(seqs, ends, chunks, strict=True):
             if seq.params.prompt_logprobs is not None and not seq.has_prompt_logprobs:
-                self._add_prompt_logprobs(seq, hidden[start : start + chunk])
-        ends = query_start_loc[1 : len(seqs) + 1]  # the real sequences' rows, not the padding
+                self._add_prompt_logprobs(seq, hidden[end - chunk : end])
         last_rows = self._tensor([end - 1 for end in ends], torch.int64)
         return self.model.compute_logits(hidden.index_select(0, last_rows)).float()
 

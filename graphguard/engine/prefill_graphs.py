@@ -1,13 +1,17 @@
-"""Segmented prefill graphs: EagerForward's prefill pipeline under a SegmentedRunner.
+"""Prefill graphs: whole graphs for short prefills, segmented graphs for the rest.
 
-The pipeline (graphguard/engine/forward.py) cuts the decoder around attention; a model of L
-layers has L + 1 capturable segments, and one packed prefill shape (its token count) owns one
-group of them (graphguard.segmented). Built by graphguard/engine/graphs.py next to the decode
-graphs (same backend, same budget size); GRAPHGUARD_DISABLE=1 turns it off per call.
+A short prefill without images runs as rows (graphguard/engine/forward.py `prefills_as_rows`):
+its shapes depend only on (tokens, table width), so it is one graph per key, captured like a
+decode key (`rows`, a GraphRunner of `EagerForward.rows` keyed by token bucket and width
+bucket; padding rows read and write only the dummy block). Any other prefill runs the segmented
+pipeline (graphguard/engine/forward.py cuts the decoder around attention: a model of L layers
+has L + 1 capturable segments) under a SegmentedRunner, one group of segments per packed token
+count. Built by graphguard/engine/graphs.py next to the decode graphs (same backend, same
+budget size each); GRAPHGUARD_DISABLE=1 turns them off per call.
 
-A group captured between steps (background) runs on a dummy prefill of the key's token count:
-one fresh sequence whose K/V all go to the reserved dummy block (as the padding of a real
-prefill does), so it never writes a slot that a live sequence reads.
+A capture between steps runs on dummy inputs: padding rows for a rows key, and for a group one
+fresh sequence whose K/V all go to the reserved dummy block (as the padding of a real prefill
+does), so neither writes a slot that a live sequence reads.
 """
 
 from __future__ import annotations
@@ -23,18 +27,25 @@ from torch import Tensor
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
 from graphguard.core.base import WarmupReport
-from graphguard.core.keys import GraphKey
+from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.reasons import EvictionCause
+from graphguard.core.runner import GraphRunner
 from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.forward import (
+    DECODE_PAD,
+    MIN_PREFILL_TOKENS,
+    ROW_BUCKETS,
     EagerForward,
     ImageSplice,
     PrefillContext,
     dummy_prefill_inputs,
+    padding_decode_batch,
     prefill_inputs,
     prefill_stages,
+    prefills_as_rows,
 )
+from graphguard.engine.kv import MIN_WIDTH_BLOCKS, width_bucket
 from graphguard.segmented import Carry, SegmentedRunner
 from graphguard.segmented.group import carry_key
 
@@ -42,7 +53,9 @@ log = logging.getLogger("graphguard")
 
 
 class PrefillGraphs:
-    """A prefill_fn for ModelRunner: the segmented pipeline under a SegmentedRunner."""
+    """A prefill_fn for ModelRunner: whole graphs of prefills run as rows (`rows`, None when
+    the kernel set runs no prefill as rows) and the segmented pipeline under a
+    SegmentedRunner (`runner`)."""
 
     def __init__(
         self,
@@ -56,7 +69,26 @@ class PrefillGraphs:
         verify: str = "exact",
         background: bool = False,
     ) -> None:
-        self.model, self.kv = forward.model, forward.kv
+        self.forward, self.model, self.kv = forward, forward.model, forward.kv
+        self.block_size = forward.kv.block_size
+        self.rows: GraphRunner | None = None
+        if forward.model.kernels.row_prefill_area > 0:
+            self.rows = GraphRunner(
+                forward.rows,
+                buckets=Buckets(batch=ROW_BUCKETS, pad_value=DECODE_PAD),
+                max_bytes=max_bytes,
+                verify=verify,
+                backend=backend,
+                device=device if backend != "sim" else None,
+                admission=admission,
+                retain=(forward.kv, forward.model),
+                metrics=metrics,
+                name="prefill_rows",
+                # NOTE: the hidden states are views of the graph's output, valid until its
+                # next replay: the step takes its logits from them before it returns.
+                copy_outputs=False,
+                background=background,
+            )
         self.runner = SegmentedRunner(
             prefill_stages(forward.model),
             max_bytes=max_bytes,
@@ -74,6 +106,9 @@ class PrefillGraphs:
     def __call__(
         self, ids: Tensor, positions: Tensor, meta: AttentionMetadata, splice: ImageSplice | None
     ) -> Tensor:
+        if not meta.is_prefill:  # run as rows (ModelRunner planned it)
+            args = (ids, positions, meta.block_tables, meta.seq_lens, meta.slot_mapping)
+            return self.rows(*args) if self.rows is not None else self.forward.rows(*args)
         inputs = prefill_inputs(self.model, ids, positions, splice)
         return self.runner(inputs, PrefillContext(meta, self.kv))[0]
 
@@ -85,34 +120,92 @@ class PrefillGraphs:
         carry = prefill_inputs(self.model, ids, positions, None)
         return carry, PrefillContext(meta, self.kv)
 
-    def warmup(self, token_counts: Sequence[int], progress: bool = True) -> WarmupReport:
-        """Capture the groups of packed prefills of `token_counts` tokens at start, on dummy
-        prefills (as a capture between steps runs on), largest first, within the budget."""
+    def warmup(
+        self,
+        token_counts: Sequence[int],
+        widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
+        progress: bool = True,
+    ) -> WarmupReport:
+        """Capture the graphs of packed prefills of `token_counts` tokens at start, on dummy
+        inputs (as a capture between steps runs on), largest first, within the budgets: for
+        a count that runs as rows, one key per table width of `widths` (the engine's width
+        buckets) that its prompts can have (up to the width of one prompt of that many
+        tokens); for others its group of segments. One report for both."""
         device = self.model.embed_tokens.weight.device
+        as_rows = [n for n in token_counts if self._runs_as_rows(n)]
+        report = WarmupReport()
+        if self.rows is not None and as_rows:
+            examples = [
+                padding_decode_batch(n, width, device)
+                for n in as_rows
+                for width in widths
+                if width <= width_bucket(-(-n // self.block_size))
+            ]
+            report = self.rows.warmup(examples, progress=progress)
         keys = []
-        for num_tokens in token_counts:
+        for num_tokens in (n for n in token_counts if n not in as_rows):
             ids, positions, _ = dummy_prefill_inputs(num_tokens, self.kv, device)
             keys.append(carry_key(prefill_inputs(self.model, ids, positions, None)))
-        return self.runner.warm_keys(keys, progress=progress)
+        if keys:
+            groups = self.runner.warm_keys(keys, progress=progress)
+            report.captured += groups.captured
+            report.skipped.update(groups.skipped)
+            report.seconds += groups.seconds
+        return report
+
+    @property
+    def knows_a_price(self) -> bool:
+        """Whether the runner of the shortest prefills has admitted a capture (payback's
+        price, graphguard/core/admission.py)."""
+        runner = self.rows if self._runs_as_rows(MIN_PREFILL_TOKENS) else self.runner
+        assert runner is not None
+        return runner.policy.knows_a_price
+
+    def _runs_as_rows(self, num_tokens: int) -> bool:
+        """Whether a prefill of `num_tokens` fresh tokens (one prompt: the longest context)
+        runs as rows, and so as a whole graph."""
+        return self.rows is not None and prefills_as_rows(
+            self.model.kernels, num_tokens, num_tokens
+        )
 
     def advance_capture(self) -> bool:
-        """One unit of the prefill group capture in flight between steps; True while one
-        remains."""
-        return self.runner.advance_capture()
+        """One unit of a prefill capture in flight between steps (a rows key's before a
+        group's); True while one remains."""
+        for runner in self._runners():
+            if runner.capture_in_flight is not None:
+                runner.advance_capture()
+                break
+        return self.capture_in_flight is not None
 
     @property
     def capture_in_flight(self) -> GraphKey | None:
-        return self.runner.capture_in_flight
+        return next(
+            (r.capture_in_flight for r in self._runners() if r.capture_in_flight is not None),
+            None,
+        )
+
+    def _runners(self) -> list[GraphRunner | SegmentedRunner]:
+        return [self.runner] if self.rows is None else [self.rows, self.runner]
 
     def invalidate(self) -> None:
-        """Retire every group (new weights): called before the weights change."""
+        """Retire every graph (new weights): called before the weights change."""
         count = self.runner.invalidate(EvictionCause.INVALIDATE)
-        log.info("graphguard prefill graphs invalidated: %d groups retired", count)
+        rows = self.rows.invalidate(EvictionCause.INVALIDATE) if self.rows is not None else 0
+        log.info("graphguard prefill graphs invalidated: %d rows graphs, %d groups", rows, count)
 
     def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
         self.runner.close()
 
     def stats(self) -> dict[str, Any]:
+        """The segmented groups' stats, with the rows graphs' under "rows" (None when no
+        prefill runs as rows)."""
         stats = self.runner.stats()
         stats["groups_detail"] = [asdict(info) for info in self.runner.group_infos()]
+        if self.rows is None:
+            stats["rows"] = None
+        else:
+            stats["rows"] = self.rows.stats()
+            stats["rows"]["graphs"] = [asdict(info) for info in self.rows.entries()]
         return stats

@@ -1,7 +1,8 @@
 """The fused kernel set: Triton kernels for the decoder's norms, RoPE, MLP activation and paged
 decode attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights concatenated at
-load; up to 16 rows, a Triton kernel made for few rows). Everything else, and prefill attention
-(SDPA's flash kernels), is the reference's."""
+load; up to 16 rows, a Triton kernel made for few rows). Short prefills run their attention as
+decode rows (graphguard/engine/forward.py `prefills_as_rows`); everything else, and the
+attention of long prefills (SDPA's flash kernels), is the reference's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class TritonKernels(TorchKernels):
     """Nine kernels per decoder layer in decode (the reference set launches 50-67)."""
 
     name = "triton"
+    # A prefill of up to 512 tokens over contexts of up to 2,048 runs as decode-attention rows:
+    # each row walks only its own context, one launch per layer.
+    row_prefill_area = 512 * 2048
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded

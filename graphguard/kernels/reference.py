@@ -105,6 +105,10 @@ class TorchKernels:
     run_dtype: torch.dtype | None = None
     # why weights loaded in place (reload_weights) cannot serve this set; None: they can
     no_reload: str | None = None
+    # the largest prefill (tokens x longest context) that runs with its tokens as rows of
+    # `decode_attention` (graphguard/engine/forward.py `prefills_as_rows`); 0: never, as this
+    # set's decode attention gathers every row's whole context
+    row_prefill_area = 0
 
     def prepare(self, model: nn.Module) -> None:
         """Ready the set for `model`'s weights (at start and after weights are loaded in

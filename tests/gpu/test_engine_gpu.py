@@ -222,8 +222,9 @@ def test_decode_and_prefill_graphs_charge_what_the_allocator_holds(loaded):
             while engine.has_unfinished_requests():
                 engine.step()
         decode, prefill = engine.graphs.decode.stats(), engine.graphs.prefill.stats()
-        charged = decode["resident_bytes"] + prefill["resident_bytes"]
-        assert decode["entries"] > 0 and prefill["groups"] > 0, (decode, prefill)
+        rows = prefill["rows"]  # 48-token prefills run as rows: whole graphs
+        charged = decode["resident_bytes"] + prefill["resident_bytes"] + rows["resident_bytes"]
+        assert decode["entries"] > 0 and rows["entries"] > 0, (decode, rows)
         with_graphs = settled_reserved()
         engine.graphs.invalidate()  # the decode and the prefill graphs
         without = settled_reserved()
@@ -238,9 +239,10 @@ def test_a_lazy_start_prices_captures_and_payback_defers_keys_until_they_pay(loa
     graphs = make(loaded, background_capture=True)  # the engine's default admission: payback
     try:
         start = graphs.graphs.stats()
-        # one decode key and one prefill group captured at start, their work the price
-        assert start["captures"] == 1 and start["prefill"]["captures"] == 1
-        assert start["capture_price_ms"] > 0 and start["prefill"]["capture_price_ms"] > 0
+        # one decode key and one 16-token prefill (as rows) captured at start: the prices
+        rows = start["prefill"]["rows"]
+        assert start["captures"] == 1 and rows["captures"] == 1
+        assert start["capture_price_ms"] > 0 and rows["capture_price_ms"] > 0
         assert staggered(graphs) == staggered(eager)
         while graphs.has_capture_in_flight():
             graphs.step()

@@ -1,0 +1,179 @@
+"""Short prefills run as rows: each token one row of decode attention over its sequence's paged
+context up to its own position (graphguard/engine/forward.py `prefills_as_rows`), eagerly and
+as whole graphs keyed by (token bucket, width bucket) (graphguard/engine/prefill_graphs.py).
+
+The reference kernel set runs no prefill as rows (its decode attention gathers every row's
+whole context); these tests turn rows on for it, as the Triton set has them on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.engine import model_runner
+from graphguard.engine.config import GraphConfig
+from graphguard.engine.forward import ROW_PREFILL_TOKENS, prefills_as_rows
+from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.loader import LoadedModel
+from graphguard.engine.sampling import SamplingParams
+from graphguard.kernels.reference import TorchKernels
+from tests.unit.engine.fixtures_engine import make_engine, run_to_completion, token_ids_of
+from tests.unit.engine.test_background_capture import tiny  # noqa: F401
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], list(range(20, 45)), list(range(50, 53))]
+# chunks of 16 tokens: the 25-token prompt's second chunk continues over its cached first one
+CHUNKED = {"max_num_batched_tokens": 16}
+
+
+ROWS_AREA = 512 * 2048  # the Triton set's
+# a prefill key is captured at its first call, inside the step
+EARN_AT_ONCE = GraphConfig(background_capture=False, prefill_admission=AdmissionConfig(min_hits=1))
+
+
+@pytest.fixture
+def rows_on(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Rows on for the reference set; the model runner's decisions, in order."""
+    monkeypatch.setattr(TorchKernels, "row_prefill_area", ROWS_AREA)
+    return decisions(monkeypatch)
+
+
+def decisions(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The model runner's decisions whether a prefill runs as rows, in order."""
+    made: list[bool] = []
+
+    def deciding(kernels, num_tokens, longest):
+        made.append(prefills_as_rows(kernels, num_tokens, longest))
+        return made[-1]
+
+    monkeypatch.setattr(model_runner, "prefills_as_rows", deciding)
+    return made
+
+
+def generate(loaded: LoadedModel, **overrides) -> dict[str, list[int]]:
+    engine = make_engine(loaded, **overrides)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+        for index, prompt in enumerate(PROMPTS):
+            engine.add_request(str(index), prompt, params)
+        outputs = run_to_completion(engine)
+        return {rid: token_ids_of(outs) for rid, outs in outputs.items()}
+    finally:
+        engine.shutdown()
+
+
+def test_the_decision_bounds_tokens_and_area() -> None:
+    kernels = TorchKernels()
+    assert not prefills_as_rows(kernels, 16, 16)  # the reference set: never
+    kernels.row_prefill_area = 512 * 2048
+    assert prefills_as_rows(kernels, 16, 16)
+    assert prefills_as_rows(kernels, ROW_PREFILL_TOKENS, 2048)
+    assert not prefills_as_rows(kernels, ROW_PREFILL_TOKENS, 2049)  # rows x context
+    assert not prefills_as_rows(kernels, 2 * ROW_PREFILL_TOKENS, 16)  # too many rows
+
+
+def test_prefills_run_as_rows_give_the_grouped_prefills_tokens(tiny, monkeypatch):  # noqa: F811
+    made = decisions(monkeypatch)
+    grouped = generate(tiny, enforce_eager=True, **CHUNKED)
+    assert made and not any(made)  # the reference set: grouped SDPA
+    made.clear()
+    monkeypatch.setattr(TorchKernels, "row_prefill_area", ROWS_AREA)
+    rows = generate(tiny, enforce_eager=True, **CHUNKED)
+    # every prefill is short here: each ran as rows, the 25-token prompt's second chunk too
+    assert made and all(made)
+    assert rows == grouped
+
+
+def test_rows_prefill_graphs_are_captured_by_bucket_and_replayed(tiny, rows_on):  # noqa: F811
+    eager = generate(tiny, enforce_eager=True)
+    engine = make_engine(tiny, graph_backend="sim", graphs=EARN_AT_ONCE)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+        got: dict[str, list[int]] = {}
+        for wave in range(2):  # the second wave replays the first one's rows keys
+            for index, prompt in enumerate(PROMPTS):
+                engine.add_request(f"{wave}-{index}", prompt, params)
+            outputs = run_to_completion(engine)
+            got.update({rid: token_ids_of(outs) for rid, outs in outputs.items()})
+        rows = engine.graphs.stats()["prefill"]["rows"]
+        assert rows["replays"] >= 1 and rows["captures"] >= 1
+        keys = engine.graphs.prefill.rows.admitted_keys()
+        assert len(rows["graphs"]) == len(keys) >= 1
+        for key in keys:  # a token bucket (38 tokens: 64), the narrowest width bucket
+            assert key.args[0].shape == (64,) and key.args[2].shape == (64, 8)
+        # padding rows wrote only the dummy block: every request's tokens are the eager ones
+        for rid, tokens in got.items():
+            assert tokens == eager[rid.split("-")[1]]
+        assert engine.graphs.stats()["prefill"]["captures"] == 0  # no segmented group
+    finally:
+        engine.shutdown()
+
+
+def test_reload_and_shutdown_retire_rows_graphs(tiny, rows_on):  # noqa: F811
+    engine = make_engine(tiny, graph_backend="sim", graphs=EARN_AT_ONCE)
+    rows = engine.graphs.prefill.rows
+    assert rows is not None
+    engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
+    run_to_completion(engine)
+    assert len(rows.entries()) == 1
+    engine.reload_weights(tiny.model.state_dict())
+    assert rows.entries() == []
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
+    run_to_completion(engine)
+    assert len(rows.entries()) == 1
+    engine.shutdown()
+    assert rows.entries() == []
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_padding_rows_write_only_the_dummy_block(tiny, rows_on):  # noqa: F811
+    # graphs on but never admitted: the prefill runs eagerly, padded to its token bucket
+    engine = make_engine(
+        tiny,
+        graph_backend="sim",
+        graphs=GraphConfig(prefill_admission=AdmissionConfig(min_hits=10**6)),
+    )
+    try:
+        dummy = PagedKVStorage.DUMMY_BLOCK
+        before = [cache.clone() for cache in engine.kv.k_cache]
+        engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
+        run_to_completion(engine)
+        assert rows_on == [True]
+        written = {
+            block
+            for layer, cache in enumerate(engine.kv.k_cache)
+            for block in range(cache.shape[0])
+            if not torch.equal(cache[block], before[layer][block])
+        }
+        # the prompt's one block, and the dummy block that its 13 padding rows wrote
+        assert dummy in written and len(written) == 2
+    finally:
+        engine.shutdown()
+
+
+def test_a_warm_start_captures_each_token_bucket_at_the_widths_its_prompts_can_have(
+    tiny,  # noqa: F811
+    rows_on,
+):
+    # 4-token blocks, 64-token sequences: width buckets 8 and 16 blocks
+    engine = make_engine(tiny, graph_backend="sim", warmup_graphs=True)
+    try:
+        keys = engine.graphs.prefill.rows.admitted_keys()
+        shapes = sorted(tuple(key.args[2].shape) for key in keys)
+        # up to 32 tokens one block table of 8 fits any prompt; 64 tokens may need 16
+        assert shapes == [(16, 8), (32, 8), (64, 8), (64, 16), (128, 8), (128, 16),
+                          (256, 8), (256, 16)]  # fmt: skip
+        assert engine.graphs.stats()["prefill"]["captures"] == 0  # every bucket runs as rows
+        assert engine.kv.num_used_blocks == 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
+    engine = make_engine(tiny, graph_backend="sim", price_captures=True)
+    try:
+        rows = engine.graphs.prefill.rows
+        assert [tuple(key.args[2].shape) for key in rows.admitted_keys()] == [(16, 8)]
+        assert engine.graphs.prefill.knows_a_price
+    finally:
+        engine.shutdown()
