@@ -78,10 +78,17 @@ def row_meta(slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor) -> At
 
 # The largest packed prefill that runs as rows (`prefills_as_rows`), and its token buckets: the
 # powers of two from MIN_PREFILL_TOKENS up to it.
-ROW_PREFILL_TOKENS = 512
+ROW_PREFILL_TOKENS = 2048
 ROW_BUCKETS = tuple(
     1 << i for i in range(MIN_PREFILL_TOKENS.bit_length() - 1, ROW_PREFILL_TOKENS.bit_length())
 )
+
+
+def row_bucket(num_tokens: int) -> int:
+    """The rows a prefill of `num_tokens` run as rows is padded to with graphs on: the next
+    power of two, at least MIN_PREFILL_TOKENS (a padding row costs a row of GEMMs and attends
+    over one slot of the dummy block)."""
+    return max(MIN_PREFILL_TOKENS, 1 << (num_tokens - 1).bit_length())
 
 
 def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:
@@ -93,9 +100,9 @@ def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: in
     table width): eagerly about as many launches as a decode step (grouped SDPA launched 8-12
     per group and layer, 40-65 ms for a wave of short prompts on an H200), and capturable as
     one graph (graphguard/engine/prefill_graphs.py). Each row reads its whole context, so rows
-    are kept to short prefills: at most ROW_PREFILL_TOKENS tokens and the kernel set's
-    `row_prefill_area` (tokens x longest context; 0 where the set's decode attention gathers
-    the context, as the reference does)."""
+    are kept to prefills of short sequences: at most ROW_PREFILL_TOKENS tokens and the kernel
+    set's `row_prefill_area` (tokens x longest context; 0 where the set's decode attention
+    gathers the context, as the reference does)."""
     area = num_tokens * longest_context
     return num_tokens <= ROW_PREFILL_TOKENS and 0 < area <= kernels.row_prefill_area
 

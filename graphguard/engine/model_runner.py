@@ -23,9 +23,11 @@ from graphguard.engine.decode_inputs import DecodeInputs
 from graphguard.engine.forward import (
     DECODE_PAD,
     MIN_PREFILL_TOKENS,
+    ROW_PREFILL_TOKENS,
     ImageSplice,
     image_splice,
     prefills_as_rows,
+    row_bucket,
     row_meta,
 )
 from graphguard.engine.kv import PagedKVStorage, width_bucket
@@ -99,15 +101,16 @@ class ModelRunner:
             slots += [self._slot(seq, pos) for pos in new_positions]
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         splice = image_splice(seqs, self.device, chunks)
-        bucket = self.prefill_bucket(len(input_ids)) if self.prefill_bucket else len(input_ids)
-        if splice is None and prefills_as_rows(self.model.kernels, bucket, max(seq_lens)):
-            hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, bucket)
-            ends = _cumsum0(chunks)[1:]
-            return self._logits(seqs, chunks, hidden, ends)
+        num_tokens = len(input_ids)
+        rows = row_bucket(num_tokens)
+        if splice is None and prefills_as_rows(self.model.kernels, rows, max(seq_lens)):
+            pad_to = rows if self.prefill_bucket else num_tokens
+            hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, pad_to)
+            return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
         tables = [seq.block_table for seq in seqs]
-        pad = bucket - len(input_ids)
+        pad = self.prefill_bucket(num_tokens) - num_tokens if self.prefill_bucket else 0
         if pad > 0:
             # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
             # attends only over itself, and no real row reads the dummy block.
@@ -254,8 +257,10 @@ def prefill_token_bucket(num_tokens: int) -> int:
 
 def warmup_prefill_tokens(max_num_batched_tokens: int) -> list[int]:
     """The prefill token buckets a warm start captures: the powers of two from 16 up to the
-    bucket of a step's token budget, at most POWER_OF_TWO_PREFILL_TOKENS (the buckets that
-    small prompts, and waves of them, land on; larger keys are earned by traffic)."""
-    top = min(POWER_OF_TWO_PREFILL_TOKENS, prefill_token_bucket(max_num_batched_tokens))
+    one that holds a step's token budget, at most ROW_PREFILL_TOKENS (the buckets that small
+    prompts, and waves of them, land on; larger keys are earned by traffic). Prefills run as
+    rows take them all; segmented groups those up to POWER_OF_TWO_PREFILL_TOKENS
+    (graphguard/engine/prefill_graphs.py)."""
+    top = min(ROW_PREFILL_TOKENS, row_bucket(max_num_batched_tokens))
     first = MIN_PREFILL_TOKENS.bit_length() - 1
     return [1 << i for i in range(first, top.bit_length())]  # top is a power of two

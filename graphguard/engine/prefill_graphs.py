@@ -46,6 +46,7 @@ from graphguard.engine.forward import (
     prefills_as_rows,
 )
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS, width_bucket
+from graphguard.engine.model_runner import POWER_OF_TWO_PREFILL_TOKENS
 from graphguard.segmented import Carry, SegmentedRunner
 from graphguard.segmented.group import carry_key
 
@@ -130,7 +131,8 @@ class PrefillGraphs:
         inputs (as a capture between steps runs on), largest first, within the budgets: for
         a count that runs as rows, one key per table width of `widths` (the engine's width
         buckets) that its prompts can have (up to the width of one prompt of that many
-        tokens); for others its group of segments. One report for both."""
+        tokens); for others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments. One
+        report for both."""
         device = self.model.embed_tokens.weight.device
         as_rows = [n for n in token_counts if self._runs_as_rows(n)]
         report = WarmupReport()
@@ -143,7 +145,8 @@ class PrefillGraphs:
             ]
             report = self.rows.warmup(examples, progress=progress)
         keys = []
-        for num_tokens in (n for n in token_counts if n not in as_rows):
+        grouped = [n for n in token_counts if n not in as_rows and n <= POWER_OF_TWO_PREFILL_TOKENS]
+        for num_tokens in grouped:
             ids, positions, _ = dummy_prefill_inputs(num_tokens, self.kv, device)
             keys.append(carry_key(prefill_inputs(self.model, ids, positions, None)))
         if keys:

@@ -325,7 +325,8 @@ def test_prefill_buckets_cover_their_count_and_pad_long_prompts_by_under_a_quart
 
 
 def test_a_warm_start_captures_the_power_of_two_prefill_buckets_within_a_steps_budget():
-    assert warmup_prefill_tokens(4096) == [16, 32, 64, 128, 256, 512]
+    assert warmup_prefill_tokens(4096) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert warmup_prefill_tokens(600) == [16, 32, 64, 128, 256, 512, 1024]
     assert warmup_prefill_tokens(100) == [16, 32, 64, 128]  # 100 tokens pad to 128
     assert warmup_prefill_tokens(8) == [16]
     for budget in (8, 100, 700, 4096):

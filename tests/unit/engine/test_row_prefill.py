@@ -67,8 +67,9 @@ def test_the_decision_bounds_tokens_and_area() -> None:
     assert not prefills_as_rows(kernels, 16, 16)  # the reference set: never
     kernels.row_prefill_area = 512 * 2048
     assert prefills_as_rows(kernels, 16, 16)
-    assert prefills_as_rows(kernels, ROW_PREFILL_TOKENS, 2048)
-    assert not prefills_as_rows(kernels, ROW_PREFILL_TOKENS, 2049)  # rows x context
+    assert prefills_as_rows(kernels, 512, 2048)
+    assert not prefills_as_rows(kernels, 512, 2049)  # rows x context
+    assert prefills_as_rows(kernels, ROW_PREFILL_TOKENS, 512)
     assert not prefills_as_rows(kernels, 2 * ROW_PREFILL_TOKENS, 16)  # too many rows
 
 
