@@ -61,6 +61,9 @@ def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ..
 
 
 MIN_PREFILL_TOKENS = 16  # the smallest token bucket of a packed prefill
+# Up to this many packed prefill tokens, a prefill pads to the next power of two
+# (model_runner.py `prefill_token_bucket`).
+POWER_OF_TWO_PREFILL_TOKENS = 512
 
 
 def row_meta(slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor) -> AttentionMetadata:

@@ -23,6 +23,7 @@ from graphguard.engine.decode_inputs import DecodeInputs
 from graphguard.engine.forward import (
     DECODE_PAD,
     MIN_PREFILL_TOKENS,
+    POWER_OF_TWO_PREFILL_TOKENS,
     ROW_PREFILL_TOKENS,
     ImageSplice,
     image_splice,
@@ -237,10 +238,6 @@ def _cumsum0(lengths: list[int]) -> list[int]:
     for n in lengths:
         total.append(total[-1] + n)
     return total
-
-
-# Up to this many packed prefill tokens, a prefill pads to the next power of two.
-POWER_OF_TWO_PREFILL_TOKENS = 512
 
 
 def prefill_token_bucket(num_tokens: int) -> int:

@@ -35,6 +35,7 @@ from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.forward import (
     DECODE_PAD,
     MIN_PREFILL_TOKENS,
+    POWER_OF_TWO_PREFILL_TOKENS,
     ROW_BUCKETS,
     EagerForward,
     ImageSplice,
@@ -46,7 +47,6 @@ from graphguard.engine.forward import (
     prefills_as_rows,
 )
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS, width_bucket
-from graphguard.engine.model_runner import POWER_OF_TWO_PREFILL_TOKENS
 from graphguard.segmented import Carry, SegmentedRunner
 from graphguard.segmented.group import carry_key
 
