@@ -128,27 +128,22 @@ class PrefillGraphs:
         progress: bool = True,
     ) -> WarmupReport:
         """Capture the graphs of packed prefills of `token_counts` tokens at start, on dummy
-        inputs (as a capture between steps runs on), largest first, within the budgets: for
-        a count that runs as rows, one key per table width of `widths` (the engine's width
-        buckets) that its prompts can have (up to the width of one prompt of that many
-        tokens); for others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments. One
-        report for both."""
+        inputs (as a capture between steps runs on), largest first, within the budgets: for a
+        count that can run as rows, one key per table width of `widths` (the engine's width
+        buckets) that its prompts can have as rows (`_row_widths`); for others, up to
+        POWER_OF_TWO_PREFILL_TOKENS, its group of segments. One report for both."""
         device = self.model.embed_tokens.weight.device
-        as_rows = [n for n in token_counts if self._runs_as_rows(n)]
-        report = WarmupReport()
-        if self.rows is not None and as_rows:
-            examples = [
-                padding_decode_batch(n, width, device)
-                for n in as_rows
-                for width in widths
-                if width <= width_bucket(-(-n // self.block_size))
-            ]
-            report = self.rows.warmup(examples, progress=progress)
+        examples: list[tuple[Tensor, ...]] = []
         keys = []
-        grouped = [n for n in token_counts if n not in as_rows and n <= POWER_OF_TWO_PREFILL_TOKENS]
-        for num_tokens in grouped:
-            ids, positions, _ = dummy_prefill_inputs(num_tokens, self.kv, device)
-            keys.append(carry_key(prefill_inputs(self.model, ids, positions, None)))
+        for num_tokens in token_counts:
+            row_widths = self._row_widths(num_tokens, widths)
+            examples += [padding_decode_batch(num_tokens, w, device) for w in row_widths]
+            if not row_widths and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
+                ids, positions, _ = dummy_prefill_inputs(num_tokens, self.kv, device)
+                keys.append(carry_key(prefill_inputs(self.model, ids, positions, None)))
+        report = WarmupReport()
+        if self.rows is not None and examples:
+            report = self.rows.warmup(examples, progress=progress)
         if keys:
             groups = self.runner.warm_keys(keys, progress=progress)
             report.captured += groups.captured
@@ -160,16 +155,26 @@ class PrefillGraphs:
     def knows_a_price(self) -> bool:
         """Whether the runner of the shortest prefills has admitted a capture (payback's
         price, graphguard/core/admission.py)."""
-        runner = self.rows if self._runs_as_rows(MIN_PREFILL_TOKENS) else self.runner
+        as_rows = self._row_widths(MIN_PREFILL_TOKENS, (MIN_WIDTH_BLOCKS,))
+        runner = self.rows if as_rows else self.runner
         assert runner is not None
         return runner.policy.knows_a_price
 
-    def _runs_as_rows(self, num_tokens: int) -> bool:
-        """Whether a prefill of `num_tokens` fresh tokens (one prompt: the longest context)
-        runs as rows, and so as a whole graph."""
-        return self.rows is not None and prefills_as_rows(
-            self.model.kernels, num_tokens, num_tokens
-        )
+    def _row_widths(self, num_tokens: int, widths: Sequence[int]) -> list[int]:
+        """The table widths of `widths` at which a prefill of `num_tokens` tokens runs as
+        rows: up to the width of one prompt of that many tokens, while the shortest context
+        that needs the width keeps the prefill within the kernel set's row area (2,048 short
+        prompts' tokens run as rows, one 2,048-token prompt does not); none without rows."""
+        if self.rows is None:
+            return []
+        top = width_bucket(-(-num_tokens // self.block_size))
+        found = []
+        for width in widths:
+            shortest = 1 if width <= MIN_WIDTH_BLOCKS else (width // 2) * self.block_size + 1
+            context = min(num_tokens, shortest)
+            if width <= top and prefills_as_rows(self.model.kernels, num_tokens, context):
+                found.append(width)
+        return found
 
     def advance_capture(self) -> bool:
         """One unit of a prefill capture in flight between steps (a rows key's before a

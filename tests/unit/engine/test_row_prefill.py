@@ -178,3 +178,17 @@ def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
         assert engine.graphs.prefill.knows_a_price
     finally:
         engine.shutdown()
+
+
+def test_a_warm_start_captures_the_largest_row_bucket_for_short_prompts(tiny, rows_on):  # noqa: F811
+    # 2,048 tokens run as rows when the prompts are short (tokens x longest context within
+    # the row area), not as one prompt: its keys are those of contexts up to 512 tokens
+    settings = {"max_num_batched_tokens": 2048, "max_model_len": 512, "block_size": 16}
+    engine = make_engine(tiny, graph_backend="sim", warmup_graphs=True, **settings)
+    try:
+        shapes = {tuple(key.args[2].shape) for key in engine.graphs.prefill.rows.admitted_keys()}
+        assert {(2048, 8), (2048, 16), (2048, 32), (1024, 32), (16, 8)} <= shapes
+        assert len(shapes) == 15  # 16-128 tokens: width 8; 256: 8, 16; 512-2,048: 8, 16, 32
+        assert engine.graphs.stats()["prefill"]["captures"] == 0
+    finally:
+        engine.shutdown()
