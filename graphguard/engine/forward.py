@@ -129,11 +129,11 @@ class EagerForward:
         slot_mapping_gpu: Tensor,
     ) -> Tensor:
         """Logits [B, vocab] of one query token per row: the model's forward and LM head."""
+        hidden = self.rows(
+            input_ids_gpu, positions_gpu, block_tables_gpu, seq_lens_gpu, slot_mapping_gpu
+        )
         with torch.no_grad():
-            return self.model.compute_logits(
-                self.rows(input_ids_gpu, positions_gpu, block_tables_gpu, seq_lens_gpu,
-                          slot_mapping_gpu)
-            )  # fmt: skip
+            return self.model.compute_logits(hidden)
 
     def rows(
         self,
@@ -145,7 +145,7 @@ class EagerForward:
     ) -> Tensor:
         """Hidden states [B, hidden] of one query token per row, each over its paged context
         (its own K/V written first): a decode batch, or a prefill whose tokens are the rows
-        (`row_prefill_meta`). Takes decode_fn's arguments."""
+        (`prefills_as_rows`). Takes decode_fn's arguments."""
         meta = row_meta(slot_mapping_gpu, block_tables_gpu, seq_lens_gpu)
         with torch.no_grad():
             return self.model(input_ids_gpu, positions_gpu, meta, self.kv)
@@ -178,7 +178,7 @@ class EagerForward:
         splice: ImageSplice | None,
     ) -> Tensor:
         """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in (a
-        prefill planned as rows, `row_prefill_meta`, is run as `rows`)."""
+        prefill planned as rows, `prefills_as_rows`, is run as `rows`)."""
         if not meta.is_prefill:
             return self.rows(ids, positions, meta.block_tables, meta.seq_lens, meta.slot_mapping)
         return eager_prefill(self.model, self.kv, ids, positions, meta, splice)

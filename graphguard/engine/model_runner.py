@@ -153,17 +153,9 @@ class ModelRunner:
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
         tables: list[list[int]] = []
         for seq, chunk in zip(seqs, chunks, strict=True):
-            table = seq.block_table + [DECODE_PAD[2]] * (width - len(seq.block_table))
-            tables += [table] * chunk
-        lens = [position + 1 for position in positions]
-        pad = bucket - len(ids)
-        if pad > 0:
-            pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
-            ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
-            lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
-            tables += [[pad_block] * width] * pad
-        ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu = self.row_inputs.pack(
-            ids, positions, slots, tables, lens
+            tables += [_padded_table(seq, width)] * chunk
+        ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu = _pack_rows(
+            self.row_inputs, bucket, ids, positions, slots, tables
         )
         meta = row_meta(slots_gpu, tables_gpu, lens_gpu)
         return self.prefill_fn(ids_gpu, positions_gpu, meta, None)
@@ -202,18 +194,12 @@ class ModelRunner:
         shift = 0 if ahead_ids is None else 1
         positions = [seq.num_tokens - 1 + shift for seq in seqs]
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
-        pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
+        pad_id = DECODE_PAD[0]
         ids = [seq.last_token_id for seq in seqs] if ahead_ids is None else [pad_id] * len(seqs)
         slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
-        tables = [seq.block_table + [pad_block] * (width - len(seq.block_table)) for seq in seqs]
-        lens = [position + 1 for position in positions]
-        pad = self.decode_bucket(len(seqs)) - len(seqs) if self.decode_bucket else 0
-        if pad > 0:
-            # NOTE: the graphs' own padding rows: they read and write only the dummy block.
-            ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
-            lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
-            tables += [[pad_block] * width] * pad
-        inputs = self.decode_inputs.pack(ids, positions, slots, tables, lens)
+        tables = [_padded_table(seq, width) for seq in seqs]
+        rows = self.decode_bucket(len(seqs)) if self.decode_bucket else len(seqs)
+        inputs = _pack_rows(self.decode_inputs, rows, ids, positions, slots, tables)
         if ahead_ids is not None:
             # on the device, ordered after the step that sampled them
             inputs[0][: len(seqs)].copy_(ahead_ids)
@@ -231,6 +217,34 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _padded_table(seq: Sequence, width: int) -> list[int]:
+    """`seq`'s block table padded to `width` blocks with the dummy block."""
+    return seq.block_table + [DECODE_PAD[2]] * (width - len(seq.block_table))
+
+
+def _pack_rows(
+    inputs: DecodeInputs,
+    rows: int,
+    ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    tables: list[list[int]],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """decode_fn's arguments for rows that each attend over their context up to their own
+    position (a decode batch, or a prefill run as rows), packed in one copy and padded up to
+    `rows` rows.
+
+    NOTE: the padding rows (DECODE_PAD) read and write only the dummy block."""
+    lens = [position + 1 for position in positions]
+    pad = rows - len(ids)
+    if pad > 0:
+        pad_id, pad_position, pad_block, pad_len, pad_slot = DECODE_PAD
+        ids, positions = ids + [pad_id] * pad, positions + [pad_position] * pad
+        lens, slots = lens + [pad_len] * pad, slots + [pad_slot] * pad
+        tables = tables + [[pad_block] * len(tables[0])] * pad
+    return inputs.pack(ids, positions, slots, tables, lens)
 
 
 def _cumsum0(lengths: list[int]) -> list[int]:

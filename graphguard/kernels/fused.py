@@ -17,8 +17,8 @@ class TritonKernels(TorchKernels):
     """Nine kernels per decoder layer in decode (the reference set launches 50-67)."""
 
     name = "triton"
-    # A prefill of up to 512 tokens over contexts of up to 2,048 runs as decode-attention rows:
-    # each row walks only its own context, one launch per layer.
+    # A prefill whose tokens x longest context is at most 512 x 2,048 runs as decode-attention
+    # rows: each row walks only its own context, one launch per layer.
     row_prefill_area = 512 * 2048
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
