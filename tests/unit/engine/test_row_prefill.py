@@ -192,3 +192,39 @@ def test_a_warm_start_captures_the_largest_row_bucket_for_short_prompts(tiny, ro
         assert engine.graphs.stats()["prefill"]["captures"] == 0
     finally:
         engine.shutdown()
+
+
+def test_prompt_logprobs_and_token_logprobs_match_the_grouped_prefills(tiny, monkeypatch):  # noqa: F811
+    # prompt logprobs come from the hidden rows of each prefill chunk: as rows, the padding
+    # rows sit after the real ones, and the chunked prompt scores its two chunks in order
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, prompt_logprobs=2)
+
+    def scored() -> dict[str, tuple[list, list]]:
+        engine = make_engine(tiny, graph_backend="sim", **CHUNKED)  # padded to token buckets
+        try:
+            for index, prompt in enumerate(PROMPTS):
+                engine.add_request(str(index), prompt, params)
+            outputs = run_to_completion(engine)
+        finally:
+            engine.shutdown()
+        result = {}
+        for rid, outs in outputs.items():
+            prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+            tokens = [lp for o in outs for lp in o.logprobs or []]
+            result[rid] = (prompt, tokens)
+        return result
+
+    grouped = scored()
+    monkeypatch.setattr(TorchKernels, "row_prefill_area", ROWS_AREA)
+    made = decisions(monkeypatch)
+    rows = scored()
+    assert made and all(made)
+    assert rows.keys() == grouped.keys()
+    for rid, (prompt, tokens) in rows.items():
+        expected_prompt, expected_tokens = grouped[rid]
+        assert len(prompt) == len(PROMPTS[int(rid)]) and prompt[0] is None
+        for got, want in zip(
+            prompt[1:] + tokens, expected_prompt[1:] + expected_tokens, strict=True
+        ):
+            assert got.token_id == want.token_id
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
