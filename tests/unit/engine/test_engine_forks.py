@@ -11,6 +11,7 @@ import pytest
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.loader import LoadedModel
 from graphguard.engine.sampling import SamplingParams, fork_seed
+from graphguard.kernels.reference import TorchKernels
 from tests.unit.engine.fixtures_engine import (
     generate_alone,
     make_engine,
@@ -31,9 +32,12 @@ def _add_group(engine: LLMEngine, prompt: list[int], params: list[SamplingParams
         engine.add_request(f"c-{j}", prompt, one, fork_of="c-0")
 
 
+@pytest.mark.parametrize("row_area", [0, 512 * 2048], ids=["grouped", "rows"])
 def test_greedy_forks_get_the_alone_tokens_from_one_chunked_prefill(
-    embedded_model: LoadedModel,
+    embedded_model: LoadedModel, row_area: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # prefills grouped (the reference set's way) and run as rows (the Triton set's)
+    monkeypatch.setattr(TorchKernels, "row_prefill_area", row_area)
     prompt = embedded_model.tokenizer.encode(PROMPT)
     assert len(prompt) % 4  # block_size 4: the forks copy a partly filled last block
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
