@@ -5,6 +5,10 @@ installed).
     python bench/serve_compare.py bench-results/serve_load_gpu_*.json --png ttft_over_time.png
 
 A run's mode is the `mode` its report records (bench/serve_load.py --mode, else from its flags).
+Several reports of one mode (rounds: `ROUNDS=3 tools/gpu-serve-check`) are shown one row each,
+then pooled: TTFT and TPOT percentiles over every request of every round, requests/s over their
+summed wall time. The targets are checked on the pooled runs, as one round's p99 moves with
+the host (eager's p99 ranged from 112 to 499 ms over five rounds of the same load on an H200).
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.serve_load import RequestResult, summarize  # noqa: E402
 
 COLUMNS = (
     ("requests_per_s", "req/s"),
@@ -33,9 +41,44 @@ COLUMNS = (
 RUNNERS = ("decode", "prefill", "prefill_rows")  # the prefill's segmented groups, then rows
 
 
-def load(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """Reports by mode, in the order given."""
-    return {json.loads(p.read_text()).get("mode", p.stem): json.loads(p.read_text()) for p in paths}
+def load(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Reports by mode, modes and rounds in the order given."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        runs.setdefault(report.get("mode", path.stem), []).append(report)
+    return runs
+
+
+def pool(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report for several rounds of a mode: the latency percentiles and requests/s of all
+    their requests (bench/serve_load.py `summarize`), captures and fallbacks summed, hit rates
+    weighted by calls, the longest capture unit of any round."""
+    if len(reports) == 1:
+        return reports[0]
+    requests = [r for report in reports for r in report["requests"]]
+    wall_s = sum(report["summary"]["wall_s"] for report in reports)
+    summary: dict[str, Any] = summarize([RequestResult(**r) for r in requests], wall_s)
+    for runner in RUNNERS:
+        parts = [rep["summary"] for rep in reports if f"{runner}_calls" in rep["summary"]]
+        if not parts:
+            continue
+        calls = sum(part[f"{runner}_calls"] for part in parts)
+        replays = sum(part[f"{runner}_hit_rate"] * part[f"{runner}_calls"] for part in parts)
+        fallbacks: dict[str, int] = {}
+        for part in parts:
+            for reason, count in part[f"{runner}_fallbacks"].items():
+                fallbacks[reason] = fallbacks.get(reason, 0) + count
+        summary |= {
+            f"{runner}_calls": calls,
+            f"{runner}_captures": sum(part[f"{runner}_captures"] for part in parts),
+            f"{runner}_hit_rate": round(replays / calls, 4) if calls else 0.0,
+            f"{runner}_fallbacks": fallbacks,
+            f"{runner}_capture_unit_max_ms": max(
+                part.get(f"{runner}_capture_unit_max_ms", 0.0) for part in parts
+            ),
+        }
+    return {**reports[0], "summary": summary, "requests": requests, "rounds": len(reports)}
 
 
 def table(runs: dict[str, dict[str, Any]]) -> str:
@@ -114,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("reports", nargs="+", type=Path, help="serve_load JSON reports")
     parser.add_argument("--png", type=Path, help="write the TTFT-over-time plot here")
     args = parser.parse_args(argv)
-    runs = load(args.reports)
+    rounds = load(args.reports)
+    if any(len(reports) > 1 for reports in rounds.values()):
+        print("each round:")
+        each = {f"{mode} #{i}": r for mode, rs in rounds.items() for i, r in enumerate(rs, 1)}
+        print(table(each))
+        print(f"pooled ({', '.join(f'{mode} x{len(rs)}' for mode, rs in rounds.items())}):")
+    runs = {mode: pool(reports) for mode, reports in rounds.items()}
     print(table(runs))
     for name, ok in targets(runs):
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
