@@ -143,15 +143,15 @@ class EngineGraphs:
 
     @property
     def prefill_fn(self) -> Any:
-        """The segmented prefill graphs, or the eager prefill when they are off."""
+        """The prefill graphs (rows and segmented), or the eager prefill when they are off."""
         return self.prefill if self.prefill is not None else self._eager_prefill
 
     def start(
         self, warmup_keys: tuple[list[int], list[int]], prefill_tokens: Sequence[int] = ()
     ) -> None:
         """What the config asks for before the first request: prewarm from a manifest, then
-        capture every decode (batch, width) key of `warmup_keys` and the prefill groups of
-        `prefill_tokens` within the budgets."""
+        capture every decode (batch, width) key of `warmup_keys` and the prefill graphs of
+        `prefill_tokens` (prefill_graphs.py `PrefillGraphs.warmup`) within the budgets."""
         if self.config.manifest:
             _prewarm_from(self.decode, self.config.manifest)
         if not self.config.warmup:
