@@ -31,11 +31,13 @@ COLUMNS = (
     ("decode_captures", "dec capt"),
     ("prefill_captures", "pre capt"),
     ("decode_hit_rate", "dec hit"),
+    ("decode_covered", "dec cover"),
     ("prefill_hit_rate", "pre hit"),
     ("decode_capture_unit_max_ms", "dec unit ms"),
     ("prefill_capture_unit_max_ms", "pre unit ms"),
     ("prefill_rows_captures", "rows capt"),
     ("prefill_rows_hit_rate", "rows hit"),
+    ("prefill_rows_covered", "rows cover"),
     ("prefill_rows_capture_unit_max_ms", "rows unit ms"),
 )
 RUNNERS = ("decode", "prefill", "prefill_rows")  # the prefill's segmented groups, then rows
@@ -72,6 +74,7 @@ def pool(reports: list[dict[str, Any]]) -> dict[str, Any]:
         summary |= {
             f"{runner}_calls": calls,
             f"{runner}_captures": sum(part[f"{runner}_captures"] for part in parts),
+            f"{runner}_covered": sum(part.get(f"{runner}_covered", 0) for part in parts),
             f"{runner}_hit_rate": round(replays / calls, 4) if calls else 0.0,
             f"{runner}_fallbacks": fallbacks,
             f"{runner}_capture_unit_max_ms": max(

@@ -268,6 +268,8 @@ def graphs_during_load(name: str, before: dict, after: dict) -> dict[str, Any]:
         - before.get("captures_cancelled", 0),
         f"{name}_calls": calls,
         f"{name}_hit_rate": round(replays / calls, 4) if calls else 0.0,
+        # of the replays, calls a larger bucket's graph answered (GraphRunner max_pad_factor)
+        f"{name}_covered": after.get("covered", 0) - before.get("covered", 0),
         f"{name}_fallbacks": fallbacks,
         # the longest unit of work a capture between steps added to one step (0: none ran)
         f"{name}_capture_unit_max_ms": after.get("background_unit_max_ms", 0.0),

@@ -51,6 +51,11 @@ from graphguard.core.verify import VerifyConfig
 
 log = logging.getLogger("graphguard")
 
+# Why a call of a key without a graph may be answered by a larger admitted bucket (`_cover`):
+# the key is only waiting for its capture. Not a quarantined key, nor one over the budget or
+# thrashing, which answer eagerly as their reason says.
+COVERABLE = (FallbackReason.ADMISSION_DEFERRED, FallbackReason.CAPTURE_IN_PROGRESS)
+
 
 @dataclass
 class WarmupReport:
@@ -150,6 +155,16 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         self.policy.record_call(key)
         if key in self._cache:
             return Decision(Action.REPLAY, key)
+        decision = self._choose_missing(key)
+        if decision.action is Action.START_CAPTURE or decision.reason in COVERABLE:
+            cover = self._cover(key)
+            if cover is not None:  # a larger admitted bucket answers instead of eager
+                action = Action.REPLAY if decision.action is Action.FALLBACK else decision.action
+                return Decision(action, key, cover=cover)
+        return decision
+
+    def _choose_missing(self, key: GraphKey) -> Decision:
+        """`_choose` for a key that has no graph: capture it, start capturing it, or why not."""
         job = self._job
         if job is not None and job.key == key:
             return Decision.fallback(FallbackReason.CAPTURE_IN_PROGRESS)
@@ -163,6 +178,12 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
             return Decision.fallback(FallbackReason.ADMISSION_DEFERRED)
         return Decision(Action.START_CAPTURE, key)
 
+    def _cover(self, key: GraphKey) -> GraphKey | None:
+        """An admitted key that may answer a call of `key`, which has no graph, instead of
+        eager (GraphRunner: a larger bucket within `max_pad_factor`); None: none may."""
+        del key
+        return None
+
     def _act(
         self, call: C, plan: CallPlan, decision: Decision
     ) -> tuple[Any, FallbackReason | None]:
@@ -170,21 +191,28 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         key = plan.key
         if decision.action is Action.FALLBACK:
             return None, decision.reason
-        if decision.action is Action.REPLAY:
-            entry = self._cache.acquire(key)
-            if entry is None:  # NOTE: only a follower can get here: a leader decided under lock
-                raise RankDivergence(f"{self.name}: {key.describe()} is not admitted here")
-            started = self.clock()
-            try:
-                return self._replay(entry, call, plan)
-            finally:
-                self._cache.release(entry)
-                self.policy.record_replay(self.clock() - started)
         if decision.action is Action.CAPTURE:
             return self._capture(call, plan, CaptureMode.ON_CALL)
-        self._job = self._new_job(key, lambda: self._example(key), CaptureMode.BACKGROUND)
-        self._sync_gauges()
-        return None, FallbackReason.CAPTURE_IN_PROGRESS
+        if decision.action is Action.START_CAPTURE:
+            self._job = self._new_job(key, lambda: self._example(key), CaptureMode.BACKGROUND)
+            self._sync_gauges()
+            if decision.cover is None:
+                return None, FallbackReason.CAPTURE_IN_PROGRESS
+        if decision.cover is not None:
+            # NOTE: the call's real rows are copied into the larger graph's static inputs and
+            # the rest padded, as for the call's own bucket (copy_inputs)
+            plan = CallPlan(decision.cover, plan.rows)
+        entry = self._cache.acquire(plan.key)
+        if entry is None:  # NOTE: only a follower can get here: a leader decided under lock
+            raise RankDivergence(f"{self.name}: {plan.key.describe()} is not admitted here")
+        if decision.cover is not None:
+            self._counts.stats.covered += 1  # under the runner's lock, as replays are
+        started = self.clock()
+        try:
+            return self._replay(entry, call, plan)
+        finally:
+            self._cache.release(entry)
+            self.policy.record_replay(self.clock() - started)
 
     # -- hooks of the flow -----------------------------------------------------------------
     @abstractmethod

@@ -46,6 +46,9 @@ class Decision:
     key: GraphKey | None = None
     reason: FallbackReason | None = None
     resident: tuple[GraphKey, ...] = ()
+    # an admitted larger bucket of `key` that answers the call instead of eager (RunnerBase
+    # _cover): with REPLAY, or with START_CAPTURE while `key` is captured
+    cover: GraphKey | None = None
 
     @classmethod
     def fallback(cls, reason: FallbackReason) -> Decision:

@@ -56,6 +56,19 @@ class GraphKey(NamedTuple):
         parts = [a.describe() if isinstance(a, TensorSpec) else repr(a) for a in self.args]
         return "(" + ", ".join(parts) + ")"
 
+    def with_rows(self, rows: int) -> GraphKey:
+        """The same call padded to `rows` rows: every tensor's dimension 0 (a bucketed key
+        pads all of them alike)."""
+        return GraphKey(
+            tuple(
+                TensorSpec((rows, *a.shape[1:]), a.dtype, a.device)
+                if isinstance(a, TensorSpec) and a.shape
+                else a
+                for a in self.args
+            ),
+            rows,
+        )
+
 
 @dataclass(frozen=True)
 class Buckets:

@@ -94,6 +94,7 @@ class GraphMetrics:
 class RunnerStats:
     calls: int = 0
     replays: int = 0
+    covered: int = 0  # of the replays: calls answered by a larger bucket's graph
     captures: int = 0
     capture_failures: int = 0
     parity_mismatches: int = 0

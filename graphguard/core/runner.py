@@ -83,6 +83,12 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
             runner calls advance_capture() between calls, one bounded unit of work each time.
         examples: inputs of a key for a capture between calls (`examples(key)` -> arguments);
             default: every row padding (needs buckets).
+        max_pad_factor: a call whose bucket has no graph yet (its capture not earned or in
+            flight) replays the smallest admitted larger bucket of the same call, up to this
+            many times its bucket's rows, instead of answering eagerly: its real rows are
+            copied in and the rest padded, as for its own bucket. 1 (default): never. The
+            call counts as a replay (`covered` in stats); the key goes on earning its own
+            graph by the admission rules, but payback counts no eager time for it meanwhile.
         agreement, orders: a tensor-parallel rank's (graphguard.core.decisions); None: one
             process that decides and agrees with itself.
     """
@@ -110,9 +116,12 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         enabled: bool = True,
         background: bool = False,
         examples: Callable[[GraphKey], Sequence[Any]] | None = None,
+        max_pad_factor: int = 1,
         agreement: Agreement | None = None,
         orders: Orders | None = None,
     ):
+        if max_pad_factor < 1:
+            raise ValueError(f"max_pad_factor must be >= 1, got {max_pad_factor}")
         if background and buckets is None and examples is None:
             raise ValueError(
                 "background capture runs on example inputs: give buckets (all-padding rows) or "
@@ -138,6 +147,7 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
         self.fn = fn
         self.examples = examples
         self.buckets = buckets
+        self.max_pad_factor = max_pad_factor
         self.stage_host_inputs = stage_host_inputs
         # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
         # the call's signature and the runner's fixed settings, so it is remembered (bounded).
@@ -169,6 +179,19 @@ class GraphRunner(RunnerBase[GraphEntry, Args]):
 
     def _eager(self, args: Args) -> Any:
         return self.fn(*args)
+
+    def _cover(self, key: GraphKey) -> GraphKey | None:
+        """The smallest admitted larger bucket of `key` within max_pad_factor (under the
+        lock)."""
+        rows = key.rows
+        if self.max_pad_factor == 1 or self.buckets is None or rows is None:
+            return None
+        for size in self.buckets.batch:
+            if size > rows * self.max_pad_factor:
+                break
+            if size > rows and (bigger := key.with_rows(size)) in self._cache:
+                return bigger
+        return None
 
     def _example(self, key: GraphKey) -> tuple[Args, CallPlan]:
         if self.examples is not None:

@@ -113,6 +113,12 @@ class GraphConfig:
     # a lazy start (no warmup) captures the smallest decode key and prefill bucket, so the
     # payback rule knows what a capture costs before traffic earns one (graphs.py)
     price_captures: bool = True
+    # a decode batch (a prefill as rows) whose bucket has no graph yet, its capture not
+    # earned or in flight, replays the smallest admitted larger bucket of the same width, up
+    # to this many times its rows, instead of running eagerly (GraphRunner max_pad_factor):
+    # a wave's last rows ride the graph of its 16, a small prefill that of a larger one
+    decode_pad_factor: int = 16
+    row_pad_factor: int = 4
     verify: str = "exact"  # parity before admission: "exact" | "off"
     reverify_every: int = 0  # compare every N-th decode replay with eager too (0: never)
     # when traffic earns a key (graphguard/core/admission.py): the engine's default adds the
@@ -127,6 +133,10 @@ class GraphConfig:
             raise ValueError(f"graph verify must be exact or off, got {self.verify!r}")
         if self.capture_warmups < 1:
             raise ValueError(f"capture_warmups must be >= 1, got {self.capture_warmups}")
+        if self.decode_pad_factor < 1 or self.row_pad_factor < 1:
+            raise ValueError(
+                f"pad factors must be >= 1, got {self.decode_pad_factor}, {self.row_pad_factor}"
+            )
         if self.reverify_every < 0:
             raise ValueError(f"reverify_every must be >= 0, got {self.reverify_every}")
         if self.max_bytes < 0:

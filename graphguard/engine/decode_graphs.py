@@ -52,6 +52,7 @@ class DecodeGraphs:
         verify: str = "exact",
         reverify_every: int = 0,
         background: bool = False,
+        max_pad_factor: int = 1,
         role: RankRole | None = None,
     ) -> None:
         self.metrics = metrics
@@ -77,6 +78,9 @@ class DecodeGraphs:
             # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
             # values): it reads and writes only the dummy block, never a live sequence's KV.
             background=background,
+            # NOTE: a batch with no graph of its own may ride a larger admitted one; its extra
+            # rows are padding, as in its own bucket
+            max_pad_factor=max_pad_factor,
             # a tensor-parallel rank's: rank 0 decides, every rank follows and agrees
             agreement=role.agreement if role is not None else None,
             orders=role.orders if role is not None else None,

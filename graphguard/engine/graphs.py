@@ -112,6 +112,7 @@ class EngineGraphs:
             verify=config.verify,
             reverify_every=config.reverify_every,
             background=config.background_capture,
+            max_pad_factor=config.decode_pad_factor,
             role=role,
         )
         self.prefill: PrefillGraphs | None = None
@@ -127,6 +128,7 @@ class EngineGraphs:
                 admission=config.prefill_admission,
                 verify=config.verify,
                 background=config.background_capture,
+                max_pad_factor=config.row_pad_factor,
             )
         self._eager_prefill = forward.prefill
         self._prefill_turn = False  # whose unit runs when both capture between steps

@@ -69,6 +69,7 @@ class PrefillGraphs:
         admission: AdmissionConfig | None = None,
         verify: str = "exact",
         background: bool = False,
+        max_pad_factor: int = 1,
     ) -> None:
         self.forward, self.model, self.kv = forward, forward.model, forward.kv
         self.block_size = forward.kv.block_size
@@ -89,6 +90,8 @@ class PrefillGraphs:
                 # next replay: the step takes its logits from them before it returns.
                 copy_outputs=False,
                 background=background,
+                # a prefill with no graph of its own may ride a larger admitted token bucket
+                max_pad_factor=max_pad_factor,
             )
         self.runner = SegmentedRunner(
             prefill_stages(forward.model),

@@ -258,6 +258,13 @@ FLAGS: dict[str, Flag] = {
         type=float,
         metavar="SECONDS",
     ),
+    "switch_interval_ms": Flag(
+        "server",
+        "the interpreter's thread switch interval: how long the event loop may wait for the "
+        "engine thread to let it run (default: {default})",
+        type=float,
+        metavar="MS",
+    ),
 }
 
 # fields that are settings of the Python API only, and why
@@ -275,6 +282,10 @@ NOT_FLAGS = {
     "in Python)",
     "price_captures": "a lazy start prices captures with one capture of each kind (GraphConfig "
     "in Python)",
+    "decode_pad_factor": "how far a decode batch may pad up to a larger graph (GraphConfig in "
+    "Python)",
+    "row_pad_factor": "how far a prefill as rows may pad up to a larger graph (GraphConfig in "
+    "Python)",
 }
 _GRAPH_FIELD_SETTING = {field: setting for setting, field in GRAPH_SETTINGS.items()}
 

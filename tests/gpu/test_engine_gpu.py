@@ -8,6 +8,7 @@ import torch
 from bench.decode import NumberTokenizer
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import PRESETS, GraphConfig, engine_config
+from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.graphs import EngineGraphs
 from graphguard.engine.kv import PagedKVStorage
@@ -105,6 +106,22 @@ def test_captures_between_steps_give_eager_tokens_and_are_replayed_after(loaded)
         replays = stats["replays"]
         assert staggered(graphs, num=8) == staggered(eager, num=8)
         assert graphs.graphs.stats()["replays"] > replays
+    finally:
+        eager.shutdown()
+        graphs.shutdown()
+
+
+def test_batches_without_a_graph_ride_the_largest_one_and_give_eager_tokens(loaded):
+    checked = GraphConfig(reverify_every=1)  # every replay, covered ones too, checked
+    eager = make(loaded, enforce_eager=True)
+    graphs = make(loaded, graphs=checked, background_capture=True, price_captures=False)
+    try:
+        _, widths = warmup_shapes(graphs.config)
+        graphs.graphs.decode.warmup([32], widths, progress=False)  # only 32-row graphs
+        assert staggered(graphs) == staggered(eager)
+        stats = graphs.graphs.stats()
+        # every batch of 2 to 31 rows rode a 32-row graph, with its eager tokens
+        assert stats["covered"] > 50 and stats["parity_mismatches"] == 0, stats
     finally:
         eager.shutdown()
         graphs.shutdown()

@@ -24,6 +24,7 @@ def report(mode: str, ttfts_ms: list[float], wall_s: float, calls: int, hits: fl
         "decode_calls": calls,
         "decode_captures": 1,
         "decode_hit_rate": hits,
+        "decode_covered": calls // 4,
         "decode_fallbacks": {"admission_deferred": 2},
         "decode_capture_unit_max_ms": 30.0 + calls,
     }
@@ -44,6 +45,7 @@ def test_rounds_of_a_mode_pool_their_requests(tmp_path: Path) -> None:
     assert pooled["ttft_p99_ms"] == 20.0 and pooled["ttft_p50_ms"] == 20.0
     assert pooled["requests_per_s"] == 200 / 5.0
     assert pooled["decode_captures"] == 2 and pooled["decode_calls"] == 400
+    assert pooled["decode_covered"] == 25 + 75
     assert pooled["decode_hit_rate"] == (0.5 * 100 + 0.9 * 300) / 400
     assert pooled["decode_fallbacks"] == {"admission_deferred": 4}
     assert pooled["decode_capture_unit_max_ms"] == 330.0

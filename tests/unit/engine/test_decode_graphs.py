@@ -332,3 +332,33 @@ def test_a_warm_start_captures_the_power_of_two_prefill_buckets_within_a_steps_b
     for budget in (8, 100, 700, 4096):
         for n in range(1, min(budget, 512) + 1):  # every prefill a step can pack, to 512
             assert prefill_token_bucket(n) in warmup_prefill_tokens(budget)
+
+
+def test_a_batch_without_its_graph_rides_a_larger_one_and_writes_only_its_own_slots(
+    embedded_model,
+):
+    eager = make_engine(embedded_model, enforce_eager=True)
+    engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(1, 2, 4))
+    try:
+        engine.graphs.decode.warmup([4], [MIN_WIDTH_BLOCKS], progress=False)
+        prompt = {"b": PROMPTS["b"]}
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        engine.add_request("b", engine.tokenizer.encode(PROMPTS["b"]), params)
+        engine.step()  # prefill
+        kv, dummy = engine.kv, PagedKVStorage.DUMMY_BLOCK
+        before = [c.clone() for c in (*kv.k_cache, *kv.v_cache)]
+        engine.step()  # one real row in the 4-row graph, three rows of padding
+        stats = engine.graphs.stats()
+        assert (stats["replays"], stats["covered"], stats["fallbacks"]) == (1, 1, {})
+        changed = changed_slots(before, [*kv.k_cache, *kv.v_cache])
+        dummy_slots = set(range(dummy * kv.block_size, (dummy + 1) * kv.block_size))
+        assert changed - dummy_slots == last_decode_slots(engine)
+        tokens = token_ids_of(run_to_completion(engine)["b"])
+        engine.add_request("b2", engine.tokenizer.encode(PROMPTS["b"]), params)
+        again = token_ids_of(run_to_completion(engine)["b2"])
+        assert again == generate(eager, max_tokens=6, prompts=prompt)["b"]
+        assert len(tokens) == 4  # the rest of "b": every decode step rode the 4-row graph
+        assert engine.graphs.stats()["covered"] == engine.graphs.stats()["replays"] == 10
+    finally:
+        eager.shutdown()
+        engine.shutdown()
