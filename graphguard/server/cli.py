@@ -109,12 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("OpenAI API at http://%s:%d/v1 (model id %r)", config.host, config.port,
                 config.model_name)  # fmt: skip
     logger.info("%s", describe_access(config))
-    # NOTE: what the process made at start (torch, the model, the server's modules) is moved
-    # out of the collector's reach: full collections over it paused steps for 100-140 ms on a
-    # GPU host, several times in a load. What serving makes is collected as before.
+    prepare_interpreter(config)
+    return serve(app, config)
+
+
+def prepare_interpreter(config: ServerConfig) -> None:
+    """Set the interpreter up for serving, once everything is loaded.
+
+    What the process made at start (torch, the model, the server's modules) is moved out of
+    the collector's reach: full collections over it paused steps for 100-140 ms on a GPU
+    host, several times in a load. What serving makes is collected as before.
+
+    The thread switch interval is `config.switch_interval_ms`: the event loop gives the
+    interpreter lock up at every socket read or write and then waits for the engine thread's
+    step to hand it back, up to one interval each time (docs/serving.md, "How it runs").
+    """
     gc.collect()
     gc.freeze()
-    return serve(app, config)
+    sys.setswitchinterval(config.switch_interval_ms / 1e3)
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:

@@ -45,6 +45,12 @@ class ServerConfig:
     # when nothing came): a slow sender cannot hold a connection open for ever (slowloris).
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0  # the whole body: 4 MiB in a minute is 70 KB/s
+    # The interpreter's thread switch interval while serving (sys.setswitchinterval), in ms.
+    # The engine thread's steps and the event loop share one interpreter lock; each time the
+    # loop gives it up for a system call (a socket read or write), it waits up to this long
+    # to get it back from a step. Python's 5 ms stretched time to first token by a quarter
+    # under load (docs/serving.md).
+    switch_interval_ms: float = 0.5
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -54,7 +60,7 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
-        for name in ("header_timeout_s", "body_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "switch_interval_ms"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 

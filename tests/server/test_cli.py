@@ -4,6 +4,7 @@ shuts down cleanly on SIGTERM, ending in-flight streams."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import signal
@@ -15,7 +16,13 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from graphguard.server.cli import build_parser, config_from_args, main, uvicorn_config
+from graphguard.server.cli import (
+    build_parser,
+    config_from_args,
+    main,
+    prepare_interpreter,
+    uvicorn_config,
+)
 from graphguard.server.config import API_KEY_ENV, ServerConfig
 from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
 from graphguard.server.timeouts import HeaderTimeoutProtocol
@@ -178,3 +185,19 @@ def test_deadline_flags_reach_the_server_config_and_uvicorn(capsys):
     with pytest.raises(SystemExit):
         main(["--body-timeout-s", "0"])
     assert "body_timeout_s must be positive" in capsys.readouterr().err
+
+
+def test_the_switch_interval_flag_sets_the_interpreters_once_serving(capsys):
+    config = config_from_args(build_parser().parse_args(["--switch-interval-ms", "0.25"]))
+    assert config.switch_interval_ms == 0.25
+    assert ServerConfig().switch_interval_ms == 0.5
+    previous = sys.getswitchinterval()
+    try:
+        prepare_interpreter(config)
+        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
+    finally:
+        sys.setswitchinterval(previous)
+        gc.unfreeze()
+    with pytest.raises(SystemExit):
+        main(["--switch-interval-ms", "0"])
+    assert "switch_interval_ms must be positive" in capsys.readouterr().err
