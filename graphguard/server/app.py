@@ -84,7 +84,9 @@ def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) 
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # added last: outermost
 
 
-def _serving(request: Request) -> ServingContext:
+async def _serving(request: Request) -> ServingContext:
+    # NOTE: async: FastAPI runs a plain function dependency on a worker thread, a hop there
+    # and back on every request for an attribute read
     serving: ServingContext = request.app.state.serving
     return serving
 

@@ -26,7 +26,7 @@ from graphguard.engine.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import EngineClosedError, EngineRequest
 from graphguard.server.choices import Choice, collect, sse_events, usage
-from graphguard.server.context import ServingContext
+from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
 from graphguard.server.formatting import (
     ChatFormat,
@@ -164,11 +164,12 @@ async def create_chat_completion(
 
 
 async def _encode_prompts(ctx: ServingContext, prompts: list[p.Prompt]) -> list[list[int]]:
-    """Each prompt's token ids: text tokenized (off the event loop), ids checked."""
+    """Each prompt's token ids: text tokenized (off the event loop when long), ids checked."""
     for index, prompt in enumerate(prompts):
         with _naming_prompt(index, len(prompts)):
             _check_token_ids(ctx, prompt)
-    return await asyncio.to_thread(_token_ids, ctx.tokenizer, prompts)
+    num_chars = sum(len(prompt) for prompt in prompts if isinstance(prompt, str))
+    return await text_work(num_chars, _token_ids, ctx.tokenizer, prompts)
 
 
 def _check_token_ids(ctx: ServingContext, prompt: p.Prompt) -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 from graphguard.engine.images import ImageError, expand_image_tokens, load_image
 from graphguard.engine.vision import VisionEncoder
 from graphguard.server import protocol as p
-from graphguard.server.context import ServingContext
+from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
 
 # What PIL raises besides OSError on corrupt data (SyntaxError: a PNG chunk that is not one);
@@ -58,7 +58,8 @@ async def _template_ids(
         raise APIError(400, message, param="messages", code="context_length_exceeded")
     ctx.check_length([m["content"] for m in messages], "messages")
     try:
-        return await asyncio.to_thread(ctx.tokenizer.apply_chat_template, messages)
+        num_chars = sum(len(m["content"]) + 32 for m in messages)  # and each one's markup
+        return await text_work(num_chars, ctx.tokenizer.apply_chat_template, messages)
     except Exception as exc:  # the template rejects some conversations (e.g. role order)
         raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
 
