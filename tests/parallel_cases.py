@@ -97,6 +97,18 @@ def _an_image_request(engine: Any) -> None:
     engine.add_request("image", [1, 2, 3], params, images=[torch.zeros(3, 8, 8)])
 
 
+def covered(engine: Any, followers: Any) -> dict[str, Any]:
+    """Two requests earn the 2-row decode graph; then one request's 1-row steps, whose key is
+    still earning its own, ride it."""
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    for name in ("a", "b"):
+        engine.add_request(name, engine.tokenizer.encode(PROMPT), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    tokens, logprobs = greedy_logprobs(engine)
+    return {"tokens": tokens, "logprobs": logprobs, "leader": engine.graphs.stats()}
+
+
 def kill_switch_midway(engine: Any, followers: Any) -> dict[str, Any]:
     greedy(engine)
     os.environ["GRAPHGUARD_DISABLE"] = "1"  # rank 0's environment only
@@ -188,12 +200,14 @@ SCENARIOS = {
     "capture_fails_on_rank_1": generate,
     "small_budget": generate,
     "kill_switch_midway": kill_switch_midway,
+    "covered": covered,
     "follower_crash": follower_crash,
     "gpu_graphs_then_eager": graphs_then_eager,
     "gpu_follower_crash": gpu_follower_crash,
 }
 SCENARIO_CONFIGS = {
     "small_budget": lambda: tp_config(max_bytes=1 << 20),
+    "covered": lambda: tp_config(admission=AdmissionConfig(min_hits=2)),
     "gpu_graphs_then_eager": gpu_config,
     "gpu_follower_crash": gpu_config,
 }

@@ -111,6 +111,19 @@ def test_kill_switch_on_rank_0_alone_turns_graphs_off_on_both_ranks():
     assert report["leader"]["fallbacks"] == follower["fallbacks"]
 
 
+def test_a_batch_rides_the_larger_graph_its_leader_chose_on_both_ranks(embedded_model):
+    tokens, logprobs = single_process(embedded_model)
+    report = run_scenario("covered")
+    assert report["tokens"] == tokens
+    assert report["logprobs"] == pytest.approx(logprobs, abs=1e-3)
+    (follower,) = report["follower_reports"]
+    for stats in (report["leader"], follower):
+        # the first 1-row step rode the 2-row graph; the second earned the 1-row key's own
+        assert stats["covered"] == 1 and stats["captures"] == 2
+    assert report["leader"]["replays"] == follower["replays"]
+    assert report["leader"]["fallbacks"] == follower["fallbacks"]
+
+
 def test_a_crashed_follower_ends_rank_0_with_a_clear_error():
     report = run_scenario("follower_crash")
     assert report["error"] is not None and "RanksLost" in report["error"]
