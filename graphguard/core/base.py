@@ -206,7 +206,7 @@ class RunnerBase(CaptureFlow[E, C], Following[E, C]):
         if entry is None:  # NOTE: only a follower can get here: a leader decided under lock
             raise RankDivergence(f"{self.name}: {plan.key.describe()} is not admitted here")
         if decision.cover is not None:
-            self._counts.stats.covered += 1  # under the runner's lock, as replays are
+            self._counts.cover()
         started = self.clock()
         try:
             return self._replay(entry, call, plan)

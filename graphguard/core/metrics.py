@@ -132,6 +132,11 @@ class RunnerCounts:
         self.metrics.replays.inc()
         self.stats.replays += 1
 
+    def cover(self) -> None:
+        """One of the replays answered a call through a larger bucket's graph (under the
+        runner's lock, as replays are counted)."""
+        self.stats.covered += 1
+
     def capture(self, outcome: CaptureOutcome) -> None:
         """A capture that ended in `outcome`."""
         self.metrics.captures.labels(outcome.value).inc()

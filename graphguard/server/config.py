@@ -48,8 +48,8 @@ class ServerConfig:
     # The interpreter's thread switch interval while serving (sys.setswitchinterval), in ms.
     # The engine thread's steps and the event loop share one interpreter lock; each time the
     # loop gives it up for a system call (a socket read or write), it waits up to this long
-    # to get it back from a step. Python's 5 ms stretched time to first token by a quarter
-    # under load (docs/serving.md).
+    # to get it back from a step. With Python's 5 ms, time to first token under load was up
+    # to 40% longer (docs/serving.md).
     switch_interval_ms: float = 0.5
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0

@@ -13,9 +13,9 @@ from graphguard.core.decisions import Action
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from tests.unit.core.conftest import inputs, mlp_step
+from tests.unit.core.test_background import EAGER_FIRST, assert_same, drain
 
 BUCKETS = gg.Buckets(batch=[2, 4, 8, 16], pad_value=-3.0)
-EAGER_FIRST = gg.AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
 
 
 @pytest.fixture
@@ -33,16 +33,6 @@ def make_covering(make_runner, backend):
         return runner
 
     return make
-
-
-def drain(runner: gg.GraphRunner) -> None:
-    while runner.advance_capture():
-        pass
-
-
-def assert_same(got, want) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b)
 
 
 def test_a_call_without_its_graph_replays_a_larger_admitted_bucket(make_covering):

@@ -35,6 +35,15 @@ def run_scenario(scenario: str, env: dict[str, str] | None = None) -> dict[str, 
     return queue.get()
 
 
+def run_against_one_process(scenario: str, embedded_model: Any) -> dict[str, Any]:
+    """`scenario`'s report, once its tokens and logprobs are checked against one process's."""
+    tokens, logprobs = single_process(embedded_model)
+    report = run_scenario(scenario)
+    assert report["tokens"] == tokens
+    assert report["logprobs"] == pytest.approx(logprobs, abs=1e-3)
+    return report
+
+
 def single_process(embedded_model: Any) -> tuple[list[int], list[float]]:
     engine = make_engine(embedded_model, enforce_eager=True)
     ids = engine.tokenizer.encode(PROMPT)
@@ -68,10 +77,7 @@ def test_heads_that_cannot_split_are_refused():
 
 
 def test_two_ranks_decode_the_single_process_tokens_through_replayed_graphs(embedded_model):
-    tokens, logprobs = single_process(embedded_model)
-    report = run_scenario("generate")
-    assert report["tokens"] == tokens
-    assert report["logprobs"] == pytest.approx(logprobs, abs=1e-3)
+    report = run_against_one_process("generate", embedded_model)
     (follower,) = report["follower_reports"]
     for stats in (report["leader"], follower):
         assert stats["captures"] == 1 and stats["replays"] == NUM_TOKENS - 1
@@ -112,10 +118,7 @@ def test_kill_switch_on_rank_0_alone_turns_graphs_off_on_both_ranks():
 
 
 def test_a_batch_rides_the_larger_graph_its_leader_chose_on_both_ranks(embedded_model):
-    tokens, logprobs = single_process(embedded_model)
-    report = run_scenario("covered")
-    assert report["tokens"] == tokens
-    assert report["logprobs"] == pytest.approx(logprobs, abs=1e-3)
+    report = run_against_one_process("covered", embedded_model)
     (follower,) = report["follower_reports"]
     for stats in (report["leader"], follower):
         # the first 1-row step rode the 2-row graph; the second earned the 1-row key's own
