@@ -38,6 +38,9 @@ from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger("graphguard")
+
+# The largest prefill as rows that a lazy start captures to learn the price (_price_captures).
+PRICE_ROW_TOKENS = 256
 MIN_COMPUTE_CAPABILITY = (7, 0)
 
 
@@ -158,7 +161,7 @@ class EngineGraphs:
             _prewarm_from(self.decode, self.config.manifest)
         if not self.config.warmup:
             if self.config.price_captures:
-                self._price_captures()
+                self._price_captures(warmup_keys[0], prefill_tokens)
             return
         batch_sizes, widths = warmup_keys
         report = self.decode.warmup(batch_sizes, widths)
@@ -177,17 +180,31 @@ class EngineGraphs:
                 report.seconds,
             )
 
-    def _price_captures(self) -> None:
-        """A lazy start captures the smallest key of each runner (a decode of one row at the
-        narrowest width, a 16-token prefill): what they cost prices the captures that traffic
-        earns (the admission's payback rule), before a request pays for the lesson. Not under
-        tensor parallelism, where rank 0 learns the price from the first capture earned."""
+    def _price_captures(self, batch_sizes: Sequence[int], prefill_tokens: Sequence[int]) -> None:
+        """A lazy start captures one key of each runner: what it costs prices the captures
+        that traffic earns (the admission's payback rule), before a request pays for the
+        lesson. Not under tensor parallelism, where rank 0 learns the price from the first
+        capture earned.
+
+        The keys are the ones that serve the most shapes from the first step under the pad-up
+        rule (`decode_pad_factor`, `row_pad_factor`), at the narrowest table width: the
+        largest decode batch of `batch_sizes` (the server's, up to the bucket that holds
+        max_num_seqs), which answers every batch down to 1/16 of it, and a prefill as rows of
+        up to PRICE_ROW_TOKENS tokens of `prefill_tokens`, which answers 64 to 256 packed
+        tokens (the waves of short prompts of a serve load). A decode step and a short prefill
+        are launch-bound, so these cost about what the smallest keys would, to capture and to
+        replay. Without rows, the smallest prefill group."""
         if self.role is not None:
             return
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
-            self.decode.warmup([min(self.config.batch_buckets)], [MIN_WIDTH_BLOCKS], progress=False)
+            rows = max(batch_sizes, default=min(self.config.batch_buckets))
+            self.decode.warmup([rows], [MIN_WIDTH_BLOCKS], progress=False)
         if self.prefill is not None and not self.prefill.knows_a_price:
-            self.prefill.warmup([MIN_PREFILL_TOKENS], progress=False)
+            tokens = MIN_PREFILL_TOKENS
+            if self.prefill.rows is not None:
+                fit = [t for t in prefill_tokens if t <= PRICE_ROW_TOKENS]
+                tokens = max(fit, default=MIN_PREFILL_TOKENS)
+            self.prefill.warmup([tokens], progress=False)
 
     def before_step(self, has_pending_prefills: bool) -> int:
         """Run what the coming step may of the captures in flight (see module docstring);

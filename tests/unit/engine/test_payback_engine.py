@@ -26,26 +26,30 @@ def test_a_lazy_start_prices_one_capture_of_each_kind(tiny, slow_capture):  # no
     try:
         decode, prefill = engine.graphs.decode.runner, engine.graphs.prefill.runner
         stats = engine.graphs.stats()
-        # the smallest decode key (one row, the narrowest block table), the smallest prefill
+        # the largest decode batch (the bucket that holds max_num_seqs) at the narrowest
+        # block table; the smallest prefill group (this kernel set runs no prefill as rows)
         assert stats["captures"] == 1 and stats["prefill"]["captures"] == 1
-        assert decode_key_rows(engine) == [1]
+        assert decode_key_rows(engine) == [4]
         (key,) = decode.admitted_keys()
-        assert key.args[2].shape == (1, MIN_WIDTH_BLOCKS)  # the block table's
+        assert key.args[2].shape == (4, MIN_WIDTH_BLOCKS)  # the block table's
         assert engine.kv.num_used_blocks == 0
         # both prices are known before any request: at least the slow capture itself
         assert decode.policy.price(None) >= SLOW_S  # type: ignore[arg-type]
         assert prefill.policy.price(None) >= SLOW_S  # type: ignore[arg-type]
-        # a request of one row replays the priced graph from its first decode step
+        # a request of one row rides the priced graph from its first decode step
         add(engine, "a", max_tokens=6)
         run_to_completion(engine)
         after = engine.graphs.stats()
-        assert after["replays"] == 5 and after["fallbacks"] == {}
+        assert after["replays"] == after["covered"] == 5 and after["fallbacks"] == {}
     finally:
         engine.shutdown()
 
 
 def test_a_key_whose_steps_cost_less_than_a_capture_is_never_captured(tiny, slow_capture):  # noqa: F811
-    engine = make_engine(tiny, graph_backend="sim", prefill_graphs=False, price_captures=True)
+    no_cover = GraphConfig(decode_pad_factor=1)  # two rows may not ride the priced 4-row graph
+    engine = make_engine(
+        tiny, graph_backend="sim", prefill_graphs=False, price_captures=True, graphs=no_cover
+    )
     try:
         add(engine, "a", max_tokens=12)
         add(engine, "b", max_tokens=12)
@@ -53,7 +57,7 @@ def test_a_key_whose_steps_cost_less_than_a_capture_is_never_captured(tiny, slow
         settle(engine)
         stats = engine.graphs.stats()
         # eleven eager steps of two rows cost far less than a slow capture: no capture
-        assert decode_key_rows(engine) == [1]
+        assert decode_key_rows(engine) == [4]
         assert stats["fallbacks"] == {"admission_deferred": 11}
         assert stats["admission"]["awaiting_payback"] >= 10
     finally:
@@ -70,6 +74,6 @@ def test_without_payback_the_same_steps_earn_a_capture(tiny, slow_capture):  # n
         add(engine, "b", max_tokens=12)
         run_to_completion(engine)
         settle(engine)
-        assert decode_key_rows(engine) == [1, 2]
+        assert decode_key_rows(engine) == [2, 4]  # its steps rode the 4-row graph meanwhile
     finally:
         engine.shutdown()

@@ -174,9 +174,31 @@ def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", price_captures=True)
     try:
         rows = engine.graphs.prefill.rows
-        assert [tuple(key.args[2].shape) for key in rows.admitted_keys()] == [(16, 8)]
+        # a wave of short prompts as rows (256 tokens) at the narrowest table: it answers
+        # packed prefills of 64 to 256 tokens under the pad-up rule from the first step
+        assert [tuple(key.args[2].shape) for key in rows.admitted_keys()] == [(256, 8)]
         assert engine.graphs.prefill.knows_a_price
     finally:
+        engine.shutdown()
+
+
+def test_a_lazy_starts_first_wave_of_short_prompts_rides_the_priced_rows_graph(tiny, rows_on):  # noqa: F811
+    eager = make_engine(tiny, enforce_eager=True, max_num_seqs=8)
+    engine = make_engine(tiny, graph_backend="sim", price_captures=True, max_num_seqs=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3)
+        expected, got = {}, {}
+        for target, tokens in ((eager, expected), (engine, got)):
+            for i in range(8):  # 8 prompts of 9 tokens: 72 packed, a 128-token bucket
+                target.add_request(f"r{i}", list(range(100 + i, 109 + i)), params)
+            for rid, outs in run_to_completion(target).items():
+                tokens[rid] = token_ids_of(outs)
+        assert got == expected
+        rows = engine.graphs.prefill.stats()["rows"]
+        assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (1, 1, {})
+        assert rows["captures"] == 1  # the price, taken at start; nothing captured since
+    finally:
+        eager.shutdown()
         engine.shutdown()
 
 
