@@ -116,6 +116,22 @@ class Buckets:
         return self.pad_value[position]
 
 
+def pad_ladder(sizes: Sequence[int], max_pad_factor: int) -> list[int]:
+    """The fewest of the bucket `sizes` whose graphs answer a call of every one of them when a
+    call may replay a larger bucket's graph of at most `max_pad_factor` times its rows
+    (GraphRunner `max_pad_factor`), largest first: the largest size, then each size that the
+    last one taken is too large for. With a factor of 1 no call replays another bucket's
+    graph: the smallest size alone."""
+    ordered = sorted(set(sizes), reverse=True)
+    if max_pad_factor < 2:
+        return ordered[-1:]
+    ladder = ordered[:1]
+    for size in ordered[1:]:
+        if size * max_pad_factor < ladder[-1]:
+            ladder.append(size)
+    return ladder
+
+
 def spec_of(tensor: torch.Tensor, rows: int | None = None) -> TensorSpec:
     """The spec of `tensor`, with dimension 0 replaced by `rows` when given."""
     shape = tuple(tensor.shape)

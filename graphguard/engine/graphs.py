@@ -28,6 +28,7 @@ import torch
 
 from graphguard.core.backends import Backend, CudaBackend
 from graphguard.core.base import kill_switch_on
+from graphguard.core.keys import pad_ladder
 from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
@@ -38,9 +39,6 @@ from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
 
 log = logging.getLogger("graphguard")
-
-# The largest prefill as rows that a lazy start captures to learn the price (_price_captures).
-PRICE_ROW_TOKENS = 256
 MIN_COMPUTE_CAPABILITY = (7, 0)
 
 
@@ -181,30 +179,26 @@ class EngineGraphs:
             )
 
     def _price_captures(self, batch_sizes: Sequence[int], prefill_tokens: Sequence[int]) -> None:
-        """A lazy start captures one key of each runner: what it costs prices the captures
-        that traffic earns (the admission's payback rule), before a request pays for the
-        lesson. Not under tensor parallelism, where rank 0 learns the price from the first
-        capture earned.
-
-        The keys are the ones that serve the most shapes from the first step under the pad-up
-        rule (`decode_pad_factor`, `row_pad_factor`), at the narrowest table width: the
-        largest decode batch of `batch_sizes` (the server's, up to the bucket that holds
-        max_num_seqs), which answers every batch down to 1/16 of it, and a prefill as rows of
-        up to PRICE_ROW_TOKENS tokens of `prefill_tokens`, which answers 64 to 256 packed
-        tokens (the waves of short prompts of a serve load). A decode step and a short prefill
-        are launch-bound, so these cost about what the smallest keys would, to capture and to
-        replay. Without rows, the smallest prefill group."""
+        """A lazy start captures a ladder of keys of each runner: what they cost prices the
+        captures that traffic earns (the admission's payback rule), before a request pays for
+        the lesson, and under the pad-up rule (`decode_pad_factor`, `row_pad_factor`) they
+        answer every decode batch and every prefill as rows at the narrowest table width from
+        the first step (keys.py `pad_ladder`: 32 and 1 rows of decode, 2,048, 256 and 32
+        tokens of rows at the default factors). A short step is launch-bound, so a padded
+        replay costs about what its own graph would. Wider tables, and keys whose pad would
+        waste more, are earned by traffic. Without rows, the smallest prefill group. Not under
+        tensor parallelism, where rank 0 learns the price from the first capture earned."""
         if self.role is not None:
             return
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
-            rows = max(batch_sizes, default=min(self.config.batch_buckets))
-            self.decode.warmup([rows], [MIN_WIDTH_BLOCKS], progress=False)
+            sizes = batch_sizes or [min(self.config.batch_buckets)]
+            ladder = pad_ladder(sizes, self.config.decode_pad_factor)
+            self.decode.warmup(ladder, [MIN_WIDTH_BLOCKS], progress=False)
         if self.prefill is not None and not self.prefill.knows_a_price:
-            tokens = MIN_PREFILL_TOKENS
-            if self.prefill.rows is not None:
-                fit = [t for t in prefill_tokens if t <= PRICE_ROW_TOKENS]
-                tokens = max(fit, default=MIN_PREFILL_TOKENS)
-            self.prefill.warmup([tokens], progress=False)
+            tokens = [MIN_PREFILL_TOKENS]
+            if self.prefill.rows is not None and prefill_tokens:
+                tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
+            self.prefill.warmup(tokens, progress=False)
 
     def before_step(self, has_pending_prefills: bool) -> int:
         """Run what the coming step may of the captures in flight (see module docstring);

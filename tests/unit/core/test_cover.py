@@ -10,6 +10,7 @@ import torch
 
 import graphguard as gg
 from graphguard.core.decisions import Action
+from graphguard.core.keys import pad_ladder
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from tests.unit.core.conftest import inputs, mlp_step
@@ -122,3 +123,42 @@ def test_followers_replay_the_leaders_cover(make_covering):
     for runner in (leader, follower):
         assert_same(runner.follow((x, pos), decision), mlp_step(x, pos))
         assert runner.stats()["covered"] == 1
+
+
+@pytest.mark.parametrize("factor", [2, 4, 16])
+def test_a_pad_ladder_answers_every_bucket_with_no_spare_rung(factor):
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    ladder = pad_ladder(sizes, factor)
+    assert ladder == sorted(ladder, reverse=True) and set(ladder) <= set(sizes)
+
+    def answered(rungs: list[int]) -> bool:
+        return all(any(size <= rung <= size * factor for rung in rungs) for size in sizes)
+
+    assert answered(ladder)
+    assert not any(answered([r for r in ladder if r != rung]) for rung in ladder)
+
+
+def test_the_ladders_of_the_engines_defaults():
+    assert pad_ladder([1, 2, 4, 8, 16, 32], 16) == [32, 1]  # decode batches, max_num_seqs 32
+    assert pad_ladder([16 << i for i in range(8)], 4) == [2048, 256, 32]  # prefills as rows
+    assert pad_ladder([1, 2, 4, 8], 1) == [1]  # no pad-up: the smallest key prices alone
+
+
+def test_with_its_ladder_captured_every_bucket_replays_from_the_first_call(make_runner, backend):
+    runner = make_runner(
+        mlp_step,
+        backend=backend,
+        buckets=BUCKETS,
+        max_pad_factor=2,
+        admission=EAGER_FIRST,
+        background=True,
+    )
+    ladder = pad_ladder(BUCKETS.batch, 2)
+    assert ladder == [16, 4]
+    runner.warmup([inputs(rows) for rows in ladder], progress=False)
+    for rows in (1, 2, 3, 4, 6, 8, 12, 16):
+        x, pos = inputs(rows, seed=rows)
+        assert_same(runner(x, pos), mlp_step(x, pos))
+    stats = runner.stats()
+    # 1 to 2 rows rode the 4-row graph, 6 to 8 the 16-row one, while their keys waited
+    assert (stats["replays"], stats["covered"], stats["fallbacks"]) == (8, 4, {})

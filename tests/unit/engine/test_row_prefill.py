@@ -174,29 +174,35 @@ def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", price_captures=True)
     try:
         rows = engine.graphs.prefill.rows
-        # a wave of short prompts as rows (256 tokens) at the narrowest table: it answers
-        # packed prefills of 64 to 256 tokens under the pad-up rule from the first step
-        assert [tuple(key.args[2].shape) for key in rows.admitted_keys()] == [(256, 8)]
+        # the ladder of row buckets a pad factor of 4 apart, from the largest (this engine's
+        # step budget, 256 tokens) down, at the narrowest table: 256 answers packed prefills
+        # of 64 to 256 tokens, 32 those of 16 and 32
+        shapes = sorted(tuple(key.args[2].shape) for key in rows.admitted_keys())
+        assert shapes == [(32, 8), (256, 8)]
         assert engine.graphs.prefill.knows_a_price
     finally:
         engine.shutdown()
 
 
-def test_a_lazy_starts_first_wave_of_short_prompts_rides_the_priced_rows_graph(tiny, rows_on):  # noqa: F811
+def test_a_lazy_starts_short_prefills_ride_the_priced_rows_graphs(tiny, rows_on):  # noqa: F811
     eager = make_engine(tiny, enforce_eager=True, max_num_seqs=8)
     engine = make_engine(tiny, graph_backend="sim", price_captures=True, max_num_seqs=8)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=3)
-        expected, got = {}, {}
+        expected: dict[str, list[int]] = {}
+        got: dict[str, list[int]] = {}
         for target, tokens in ((eager, expected), (engine, got)):
             for i in range(8):  # 8 prompts of 9 tokens: 72 packed, a 128-token bucket
                 target.add_request(f"r{i}", list(range(100 + i, 109 + i)), params)
-            for rid, outs in run_to_completion(target).items():
-                tokens[rid] = token_ids_of(outs)
-        assert got == expected
+            waves = run_to_completion(target)
+            target.add_request("late", list(range(200, 209)), params)  # 9 tokens: bucket 16
+            waves.update(run_to_completion(target))
+            tokens.update({rid: token_ids_of(outs) for rid, outs in waves.items()})
+        assert got == expected and len(got) == 9
         rows = engine.graphs.prefill.stats()["rows"]
-        assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (1, 1, {})
-        assert rows["captures"] == 1  # the price, taken at start; nothing captured since
+        # the wave rode the 256-token graph, the late prompt the 32-token one
+        assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (2, 2, {})
+        assert rows["captures"] == 2  # the ladder, taken at start; nothing captured since
     finally:
         eager.shutdown()
         engine.shutdown()
