@@ -257,15 +257,18 @@ def test_a_lazy_start_prices_captures_and_payback_defers_keys_until_they_pay(loa
     graphs = make(loaded, background_capture=True)  # the engine's default admission: payback
     try:
         start = graphs.graphs.stats()
-        # one decode key and one 16-token prefill (as rows) captured at start: the prices
+        # the ladders captured at start (keys.py pad_ladder), at the narrowest block table:
+        # decodes of 32 and 1 rows, prefills as rows of 512 and 64 tokens. They price the
+        # captures, and every decode batch and short prefill rides one from the first step
         rows = start["prefill"]["rows"]
-        assert start["captures"] == 1 and rows["captures"] == 1
+        assert start["captures"] == 2 and rows["captures"] == 2, start
         assert start["capture_price_ms"] > 0 and rows["capture_price_ms"] > 0
         assert staggered(graphs) == staggered(eager)
         while graphs.has_capture_in_flight():
             graphs.step()
         stats = graphs.graphs.stats()
         assert stats["admission"]["awaiting_payback"] > 0 and stats["parity_mismatches"] == 0
+        assert stats["covered"] > 0 and stats["prefill"]["rows"]["covered"] > 0, stats
     finally:
         eager.shutdown()
         graphs.shutdown()
