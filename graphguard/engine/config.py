@@ -110,9 +110,10 @@ class GraphConfig:
     # eager runs of a key on its graph's stream before the capture: the engine compiles its
     # kernels at start, so one does (the runtime's default, for any function, is two)
     capture_warmups: int = 1
-    # a lazy start (no warmup) captures one decode key and one prefill key, so the payback
-    # rule knows what a capture costs before traffic earns one: those that serve the most
-    # shapes under the pad factors below (graphs.py `_price_captures`)
+    # a lazy start (no warmup) captures a ladder of decode and prefill keys a pad factor
+    # apart (below), so the payback rule knows what a capture costs before traffic earns one
+    # and every decode batch and short prefill rides a graph from the first step (graphs.py
+    # `_price_captures`, keys.py `pad_ladder`)
     price_captures: bool = True
     # a decode batch (a prefill as rows) whose bucket has no graph yet, its capture not
     # earned or in flight, replays the smallest admitted larger bucket of the same width, up

@@ -190,15 +190,20 @@ class EngineGraphs:
         tensor parallelism, where rank 0 learns the price from the first capture earned."""
         if self.role is not None:
             return
+        captured: list[str] = []
+        seconds = 0.0
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
             sizes = batch_sizes or [min(self.config.batch_buckets)]
             ladder = pad_ladder(sizes, self.config.decode_pad_factor)
-            self.decode.warmup(ladder, [MIN_WIDTH_BLOCKS], progress=False)
+            report = self.decode.warmup(ladder, [MIN_WIDTH_BLOCKS], progress=False)
+            captured, seconds = report.captured, report.seconds
         if self.prefill is not None and not self.prefill.knows_a_price:
             tokens = [MIN_PREFILL_TOKENS]
             if self.prefill.rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
-            self.prefill.warmup(tokens, progress=False)
+            report = self.prefill.warmup(tokens, progress=False)
+            captured, seconds = captured + report.captured, seconds + report.seconds
+        log.info("graphguard lazy start: %d graphs captured in %.2f s", len(captured), seconds)
 
     def before_step(self, has_pending_prefills: bool) -> int:
         """Run what the coming step may of the captures in flight (see module docstring);

@@ -280,7 +280,7 @@ NOT_FLAGS = {
     "prefill_admission": "admission tuning is an AdmissionConfig object (GraphConfig in Python)",
     "capture_pacing": "pacing of captures between steps is a CapturePacing object (GraphConfig "
     "in Python)",
-    "price_captures": "a lazy start prices captures with one capture of each kind (GraphConfig "
+    "price_captures": "a lazy start captures a ladder of keys a pad factor apart (GraphConfig "
     "in Python)",
     "decode_pad_factor": "how far a decode batch may pad up to a larger graph (GraphConfig in "
     "Python)",

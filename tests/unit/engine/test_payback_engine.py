@@ -1,4 +1,4 @@
-"""The engine's captures pay back: a lazy start prices a capture of each kind, and a key that
+"""The engine's captures pay back: a lazy start prices captures of each kind, and a key that
 traffic earns is captured only once its eager steps have cost that price (the admission's
 payback rule, graphguard/core/admission.py). Captures are made slow on purpose (SimBackend)."""
 
@@ -21,13 +21,14 @@ def decode_key_rows(engine) -> list[int]:
     return sorted(key.rows for key in engine.graphs.decode.runner.admitted_keys())
 
 
-def test_a_lazy_start_prices_one_capture_of_each_kind(tiny, slow_capture):  # noqa: F811
+def test_a_lazy_start_prices_captures_of_each_kind(tiny, slow_capture):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", price_captures=True)
     try:
         decode, prefill = engine.graphs.decode.runner, engine.graphs.prefill.runner
         stats = engine.graphs.stats()
-        # the largest decode batch (the bucket that holds max_num_seqs) at the narrowest
-        # block table; the smallest prefill group (this kernel set runs no prefill as rows)
+        # the decode ladder at the narrowest block table: the bucket that holds max_num_seqs,
+        # 4, answers batches down to 1 at a pad factor of 16; the smallest prefill group
+        # (this kernel set runs no prefill as rows)
         assert stats["captures"] == 1 and stats["prefill"]["captures"] == 1
         assert decode_key_rows(engine) == [4]
         (key,) = decode.admitted_keys()
