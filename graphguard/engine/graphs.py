@@ -159,7 +159,7 @@ class EngineGraphs:
             _prewarm_from(self.decode, self.config.manifest)
         if not self.config.warmup:
             if self.config.price_captures:
-                self._price_captures(warmup_keys[0], prefill_tokens)
+                self._price_captures(warmup_keys, prefill_tokens)
             return
         batch_sizes, widths = warmup_keys
         report = self.decode.warmup(batch_sizes, widths)
@@ -178,30 +178,34 @@ class EngineGraphs:
                 report.seconds,
             )
 
-    def _price_captures(self, batch_sizes: Sequence[int], prefill_tokens: Sequence[int]) -> None:
-        """A lazy start captures a ladder of keys of each runner: what they cost prices the
-        captures that traffic earns (the admission's payback rule), before a request pays for
-        the lesson, and under the pad-up rule (`decode_pad_factor`, `row_pad_factor`) they
-        answer every decode batch and every prefill as rows at the narrowest table width from
-        the first step (keys.py `pad_ladder`: 32 and 1 rows of decode, 2,048, 256 and 32
-        tokens of rows at the default factors). A short step is launch-bound, so a padded
-        replay costs about what its own graph would. Wider tables, and keys whose pad would
-        waste more, are earned by traffic. Without rows, the smallest prefill group. Not under
-        tensor parallelism, where rank 0 learns the price from the first capture earned."""
+    def _price_captures(
+        self, warmup_keys: tuple[list[int], list[int]], prefill_tokens: Sequence[int]
+    ) -> None:
+        """A lazy start captures a ladder of keys of each runner at every table width of
+        `warmup_keys`: what they cost prices the captures that traffic earns (the admission's
+        payback rule), before a request pays for the lesson, and under the pad-up rule
+        (`decode_pad_factor`, `row_pad_factor`) they answer every decode batch and every
+        prefill as rows from the first step (keys.py `pad_ladder`: 32 and 1 rows of decode,
+        2,048, 256 and 32 tokens of rows at the default factors, each at the widths it runs
+        at). A short step is launch-bound, so a padded replay costs about what its own graph
+        would. Without rows, the smallest prefill group. Not under tensor parallelism, where
+        rank 0 learns the price from the first capture earned."""
         if self.role is not None:
             return
+        batch_sizes, widths = warmup_keys
+        widths = widths or [MIN_WIDTH_BLOCKS]
         captured: list[str] = []
         seconds = 0.0
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
             sizes = batch_sizes or [min(self.config.batch_buckets)]
             ladder = pad_ladder(sizes, self.config.decode_pad_factor)
-            report = self.decode.warmup(ladder, [MIN_WIDTH_BLOCKS], progress=False)
+            report = self.decode.warmup(ladder, widths, progress=False)
             captured, seconds = report.captured, report.seconds
         if self.prefill is not None and not self.prefill.knows_a_price:
             tokens = [MIN_PREFILL_TOKENS]
             if self.prefill.rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
-            report = self.prefill.warmup(tokens, progress=False)
+            report = self.prefill.warmup(tokens, widths, progress=False)
             captured, seconds = captured + report.captured, seconds + report.seconds
         log.info("graphguard lazy start: %d graphs captured in %.2f s", len(captured), seconds)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import GraphConfig
+from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion
 from tests.unit.engine.test_background_capture import (  # noqa: F401
@@ -26,13 +27,14 @@ def test_a_lazy_start_prices_captures_of_each_kind(tiny, slow_capture):  # noqa:
     try:
         decode, prefill = engine.graphs.decode.runner, engine.graphs.prefill.runner
         stats = engine.graphs.stats()
-        # the decode ladder at the narrowest block table: the bucket that holds max_num_seqs,
+        # the decode ladder at each block-table width: the bucket that holds max_num_seqs,
         # 4, answers batches down to 1 at a pad factor of 16; the smallest prefill group
         # (this kernel set runs no prefill as rows)
-        assert stats["captures"] == 1 and stats["prefill"]["captures"] == 1
-        assert decode_key_rows(engine) == [4]
-        (key,) = decode.admitted_keys()
-        assert key.args[2].shape == (4, MIN_WIDTH_BLOCKS)  # the block table's
+        _, widths = warmup_shapes(engine.config)
+        assert widths == [MIN_WIDTH_BLOCKS, 2 * MIN_WIDTH_BLOCKS]
+        assert stats["captures"] == 2 and stats["prefill"]["captures"] == 1
+        tables = sorted(tuple(key.args[2].shape) for key in decode.admitted_keys())
+        assert tables == [(4, width) for width in widths]
         assert engine.kv.num_used_blocks == 0
         # both prices are known before any request: at least the slow capture itself
         assert decode.policy.price(None) >= SLOW_S  # type: ignore[arg-type]
@@ -58,8 +60,9 @@ def test_a_key_whose_steps_cost_less_than_a_capture_is_never_captured(tiny, slow
         run_to_completion(engine)
         settle(engine)
         stats = engine.graphs.stats()
-        # eleven eager steps of two rows cost far less than a slow capture: no capture
-        assert decode_key_rows(engine) == [1]
+        # eleven eager steps of two rows cost far less than a slow capture: no capture (the
+        # price's key, one row, at each of the two widths)
+        assert decode_key_rows(engine) == [1, 1]
         assert stats["fallbacks"] == {"admission_deferred": 11}
         assert stats["admission"]["awaiting_payback"] >= 10
     finally:
@@ -76,6 +79,7 @@ def test_without_payback_the_same_steps_earn_a_capture(tiny, slow_capture):  # n
         add(engine, "b", max_tokens=12)
         run_to_completion(engine)
         settle(engine)
-        assert decode_key_rows(engine) == [2, 4]  # its steps rode the 4-row graph meanwhile
+        # its steps rode the 4-row graph meanwhile (the ladder's, at each of the two widths)
+        assert decode_key_rows(engine) == [2, 4, 4]
     finally:
         engine.shutdown()

@@ -175,10 +175,10 @@ def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
     try:
         rows = engine.graphs.prefill.rows
         # the ladder of row buckets a pad factor of 4 apart, from the largest (this engine's
-        # step budget, 256 tokens) down, at the narrowest table: 256 answers packed prefills
-        # of 64 to 256 tokens, 32 those of 16 and 32
+        # step budget, 256 tokens) down, at each table width they run as rows at: 256
+        # answers packed prefills of 64 to 256 tokens, 32 those of 16 and 32
         shapes = sorted(tuple(key.args[2].shape) for key in rows.admitted_keys())
-        assert shapes == [(32, 8), (256, 8)]
+        assert shapes == [(32, 8), (256, 8), (256, 16)]
         assert engine.graphs.prefill.knows_a_price
     finally:
         engine.shutdown()
@@ -202,7 +202,8 @@ def test_a_lazy_starts_short_prefills_ride_the_priced_rows_graphs(tiny, rows_on)
         rows = engine.graphs.prefill.stats()["rows"]
         # the wave rode the 256-token graph, the late prompt the 32-token one
         assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (2, 2, {})
-        assert rows["captures"] == 2  # the ladder, taken at start; nothing captured since
+        # the ladder (256 tokens at two widths, 32 at one), taken at start; none since
+        assert rows["captures"] == 3
     finally:
         eager.shutdown()
         engine.shutdown()
