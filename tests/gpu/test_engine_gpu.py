@@ -260,7 +260,7 @@ def test_a_lazy_start_prices_captures_and_payback_defers_keys_until_they_pay(loa
     graphs = make(loaded, background_capture=True)  # the engine's default admission: payback
     try:
         start = graphs.graphs.stats()
-        # the ladders captured at start (keys.py pad_ladder), at the narrowest block table:
+        # the ladders captured at start (keys.py pad_ladder), at the one table width of 96 tokens:
         # decodes of 32 and 1 rows, prefills as rows of 512 and 64 tokens. They price the
         # captures, and every decode batch and short prefill rides one from the first step
         rows = start["prefill"]["rows"]
