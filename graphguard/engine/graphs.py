@@ -34,7 +34,6 @@ from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs
 from graphguard.engine.forward import MIN_PREFILL_TOKENS, ROW_PREFILL_TOKENS, EagerForward
-from graphguard.engine.kv import MIN_WIDTH_BLOCKS
 from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.prefill_graphs import PrefillGraphs
 
@@ -192,22 +191,21 @@ class EngineGraphs:
         rank 0 learns the price from the first capture earned."""
         if self.role is not None:
             return
-        batch_sizes, widths = warmup_keys
-        widths = widths or [MIN_WIDTH_BLOCKS]
-        captured: list[str] = []
-        seconds = 0.0
+        batch_sizes, widths = warmup_keys  # warmup_shapes: never empty
+        reports = []
         if not self.decode.runner.policy.knows_a_price:  # a manifest's graphs priced it
-            sizes = batch_sizes or [min(self.config.batch_buckets)]
-            ladder = pad_ladder(sizes, self.config.decode_pad_factor)
-            report = self.decode.warmup(ladder, widths, progress=False)
-            captured, seconds = report.captured, report.seconds
+            ladder = pad_ladder(batch_sizes, self.config.decode_pad_factor)
+            reports.append(self.decode.warmup(ladder, widths, progress=False))
         if self.prefill is not None and not self.prefill.knows_a_price:
             tokens = [MIN_PREFILL_TOKENS]
             if self.prefill.rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
-            report = self.prefill.warmup(tokens, widths, progress=False)
-            captured, seconds = captured + report.captured, seconds + report.seconds
-        log.info("graphguard lazy start: %d graphs captured in %.2f s", len(captured), seconds)
+            reports.append(self.prefill.warmup(tokens, widths, progress=False))
+        log.info(
+            "graphguard lazy start: %d graphs captured in %.2f s",
+            sum(len(report.captured) for report in reports),
+            sum(report.seconds for report in reports),
+        )
 
     def before_step(self, has_pending_prefills: bool) -> int:
         """Run what the coming step may of the captures in flight (see module docstring);
