@@ -9,6 +9,7 @@ import torch
 
 import graphguard as gg
 from graphguard.core.runner import KILL_SWITCH_ENV, kill_switch_on
+from graphguard.kernels.isa import cpu_features
 
 
 def _check(backend: str, device: str) -> str:
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ("torch", torch.__version__),
         ("cuda available", str(torch.cuda.is_available())),
         (KILL_SWITCH_ENV, f"{os.environ.get(KILL_SWITCH_ENV, '')!r} (on: {kill_switch_on()})"),
+        ("cpu kernels use", ", ".join(cpu_features())),
         ("sim backend (cpu)", _check("sim", "cpu")),
     ]
     if torch.cuda.is_available():

@@ -182,8 +182,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and collective_timeout_s > 0")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
-        if self.kernels == "q4" and self.dtype not in ("auto", "bfloat16"):
-            raise ValueError("kernels='q4' runs on a CPU in bfloat16: dtype auto or bfloat16")
+        if self.kernels == "q4" and self.dtype not in ("auto", "float32"):
+            raise ValueError(
+                "kernels='q4' runs on a CPU with float32 activations: dtype auto or float32"
+            )
         if self.kernels == "q4" and self.tensor_parallel_size > 1:
             raise ValueError("kernels='q4' runs in one process: tensor_parallel_size must be 1")
         if self.overlap_decode not in OVERLAP_CHOICES:

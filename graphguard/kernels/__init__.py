@@ -1,20 +1,23 @@
 """The kernels a decoder runs, chosen once when an engine starts.
 
 ``torch``: plain PyTorch ops, the CPU path and the reference. ``triton``: fused Triton kernels
-(graphguard/kernels/fused.py) for CUDA. ``q4``: the plain ops with 4-bit GEMMs on the CPU for
-weights stored in 4-bit blocks (graphguard/kernels/q4.py), in bfloat16; asked for only.
+(graphguard/kernels/fused.py) for CUDA. ``q4``: 4-bit GEMMs on the CPU for weights stored in
+4-bit blocks, a rescored 8-bit head and fused Numba loops for the rest, float32 activations
+(graphguard/kernels/q4.py); asked for only.
 ``auto`` picks triton on a CUDA device in half precision when Triton imports, else torch, and
 says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from graphguard.kernels.isa import cpu_features
 from graphguard.kernels.reference import HeadShape, QKNorm, TorchKernels
 
 
@@ -29,17 +32,20 @@ class KernelChoice(enum.Enum):
 
 @dataclass(frozen=True)
 class KernelSelection:
-    """The kernel set an engine runs, and why (shown in the startup log and /v1/graphs)."""
+    """The kernel set an engine runs, why, and on a CPU the instruction sets its ops use
+    (graphguard/kernels/isa.py); shown in the startup log and /v1/graphs."""
 
     kernels: TorchKernels
     reason: str
+    cpu_features: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return self.kernels.name
 
     def describe(self) -> str:
-        return f"{self.name} ({self.reason})"
+        features = f"; {', '.join(self.cpu_features)}" if self.cpu_features else ""
+        return f"{self.name} ({self.reason}{features})"
 
 
 def triton_missing(device: torch.device) -> str | None:
@@ -65,11 +71,17 @@ def select_kernels(
     choice: KernelChoice | str, device: torch.device, dtype: torch.dtype
 ) -> KernelSelection:
     """The kernel set for `choice` on `device`; an explicit ``triton`` that cannot run raises."""
-    choice = KernelChoice(choice)
+    selection = _select(KernelChoice(choice), device, dtype)
+    if device.type != "cpu":
+        return selection
+    return dataclasses.replace(selection, cpu_features=cpu_features())
+
+
+def _select(choice: KernelChoice, device: torch.device, dtype: torch.dtype) -> KernelSelection:
     if choice is KernelChoice.Q4:
-        if device.type != "cpu" or dtype is not torch.bfloat16:
+        if device.type != "cpu" or dtype is not torch.float32:
             raise ValueError(
-                f"--kernels q4 runs on a CPU in bfloat16 (--device cpu --dtype bfloat16), "
+                f"--kernels q4 runs on a CPU in float32 (4-bit weights, float32 activations), "
                 f"not on {device.type} in {dtype}"
             )
         from graphguard.kernels.q4 import Q4Kernels

@@ -9,28 +9,25 @@ them for PyTorch's int4 CPU matmul, whose scale and zero per block give
 such levels (it was not 4-bit, or not in blocks of 32) is refused and stays a plain GEMM.
 
 The levels are read from the float32 weights, where they are exact: a bfloat16 copy has lost
-them (its rounding moves a block's minimum and maximum, and levels read back from it missed
-the checkpoint's by up to four times bfloat16's own error, enough to change the embedded
-model's chat answer). So `Q4Kernels.prepare` packs a float32 model and then turns it to
-bfloat16, the dtype the int4 matmul takes its activations in. A token then reads about a
-quarter of the bytes of bfloat16 weights; the scale and zero are stored in bfloat16 (the
-checkpoint's are float16), so the result is close to, not bitwise, the float32 reference's.
-
-The LM head (the embedded model's is its tied embedding, Q8_0: 8 bits with a scale per block
-of 32) goes through PyTorch's int8 CPU matmul, which takes one scale per row: rounded to 8 bits
-per row it loses a little, and on the documented prompts (bench/cpu_decode.py, and 48 greedy
-tokens of three more in a probe) the answers stayed the same while a token took 2 ms less.
+them (its rounding moves a block's minimum and maximum). The int4 matmul takes bfloat16
+activations and stores each block's scale and zero in bfloat16 (the checkpoint's are float16),
+so a GEMM's result is close to, not bitwise, the float32 reference's; everything between the
+GEMMs stays float32 (graphguard/kernels/cpu_fused.py), and the LM head is rescored exactly on
+its best candidates (`RescoredHead`). docs/kernels.md says where the accuracy and the time of
+the first 4-bit path went and what each choice measured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from graphguard.kernels.reference import TorchKernels
+from graphguard.kernels import cpu_fused as fused
+from graphguard.kernels.reference import HeadShape, QKNorm, TorchKernels
 
 GROUP = 32  # weights per Q4_1 block
 LEVELS = 15  # q in 0..LEVELS
@@ -53,16 +50,27 @@ def pack_q4(weight: Tensor) -> Q4Weight | None:
     """`weight` as 4-bit blocks, or None when its blocks are not 16 levels each (see module)."""
     if weight.dim() != 2 or weight.shape[1] % GROUP or weight.device.type != "cpu":
         return None
+    low, step, q = _levels(weight)
+    error = (q * step + low - weight.detach().float().reshape(q.shape)).abs()
+    if bool((error > TOLERANCE * torch.where(step > 0, step, 1.0)).any()):
+        return None
+    return _pack(low, step, q)
+
+
+def _levels(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per block of 32: its minimum, its level step and each weight's nearest level (float32,
+    ``[N, K / 32, 1]``, ``[N, K / 32, 1]``, ``[N, K / 32, 32]``)."""
     n, k = weight.shape
     blocks = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low = blocks.amin(dim=-1, keepdim=True)
     step = (blocks.amax(dim=-1, keepdim=True) - low) / LEVELS
-    safe_step = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round((blocks - low) / safe_step)
-    error = (q * step + low - blocks).abs()
-    if bool((error > TOLERANCE * safe_step).any()):
-        return None
-    levels = q.clamp(0, LEVELS).to(torch.int32).reshape(n, k)
+    q = torch.round((blocks - low) / torch.where(step > 0, step, 1.0)).clamp(0, LEVELS)
+    return low, step, q
+
+
+def _pack(low: Tensor, step: Tensor, q: Tensor) -> Q4Weight:
+    n, k = q.shape[0], q.shape[1] * GROUP
+    levels = q.to(torch.int32).reshape(n, k)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
     scale, zero = step.squeeze(-1), (low + 8 * step).squeeze(-1)
     scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
@@ -70,73 +78,170 @@ def pack_q4(weight: Tensor) -> Q4Weight | None:
 
 
 def q4_matmul(x: Tensor, weight: Q4Weight) -> Tensor:
-    """``x [M, K] @ W.T`` in bfloat16 for a packed weight W ``[N, K]``."""
-    rows = x.reshape(-1, weight.shape[1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight.packed, GROUP, weight.scale_zero)
-    return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    """``x [M, K] @ W.T`` for a packed weight W ``[N, K]``, in bfloat16 (x is cast to it)."""
+    if x.dim() != 2:
+        return q4_matmul(x.reshape(-1, weight.shape[1]), weight).view(*x.shape[:-1], -1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        _bf16(x), weight.packed, GROUP, weight.scale_zero
+    )
 
 
 class Q4Kernels(TorchKernels):
-    """The reference ops in bfloat16, with 4-bit GEMMs for the model's weights that are 4-bit
-    blocks; a GEMM with any other weight (the tied embedding of the embedded model, which is
-    Q8_0) is the plain one."""
+    """4-bit GEMMs for the model's weights that are 4-bit blocks, an 8-bit LM head rescored
+    exactly on its best candidates, and a decode layer's other ops fused (kernels/cpu_fused.py).
+
+    Activations, the residual stream, attention and the KV cache stay float32; what a GEMM
+    reads and writes is bfloat16 (the int4 matmul's dtype), so the norms and SiLU-and-multiply
+    write bfloat16 and the ops after a GEMM take its bfloat16 output."""
 
     name = "torch-q4"
     load_dtype = torch.float32  # the 4-bit levels are read back from float32 weights
-    run_dtype = torch.bfloat16  # prepare() turns the model to it
+    run_dtype = torch.float32
     no_reload = "the 4-bit weights are packed from float32 ones at start; restart with the new ones"
 
     def __init__(self) -> None:
-        self._packed: dict[tuple[int, tuple[int, ...]], Q4Weight] = {}
-        self._head: tuple[Tensor, Tensor, Tensor] | None = None  # weight, int8 rows, scales
+        self._packed: dict[int, tuple[Tensor, Q4Weight]] = {}  # the GEMMs' weights by id
+        self._head: RescoredHead | None = None
+        self._arrays = fused.Arrays()  # numpy views of the norm weights
+        self._step: tuple[tuple[Tensor, ...], tuple[np.ndarray, ...]] | None = None
 
     def prepare(self, model: nn.Module) -> None:
-        """Pack the float32 model's 4-bit weights, then turn the model to bfloat16. ValueError
-        when none is 4-bit (the packs would be lossy or there is nothing to gain)."""
+        """Pack the float32 model's 4-bit weights and its 8-bit head. ValueError when the model
+        is not float32 or no weight is 4-bit (the packs would be lossy or there is nothing to
+        gain)."""
         weights = _gemm_weights(model)
         if any(weight.dtype != torch.float32 for weight in weights):
             raise ValueError("--kernels q4 packs a float32 model's weights (see kernels/q4.py)")
         packs = [pack_q4(weight) for weight in weights]
-        head = _head_weight(model)
-        rows = scales = None
-        if head is not None:
-            scales = head.detach().abs().amax(dim=1).clamp(min=1e-12) / 127
-            rows = torch.round(head.detach() / scales[:, None]).clamp(-127, 127).to(torch.int8)
         if not any(packs):
             raise ValueError(
                 "--kernels q4 found no weight in 4-bit blocks of 32 (a Q4_1 checkpoint such as "
                 "the embedded model's); use --kernels torch"
             )
-        model.to(torch.bfloat16)
-        # NOTE: the fused q/k/v and gate/up weights are plain attributes, which to() leaves
-        # behind (and the linears' rows stop being views of them): fuse again in bfloat16.
-        fuse = getattr(model, "fuse_projections", None)
-        if fuse is not None:
-            fuse()
+        # NOTE: keyed by id(): each value holds its weight, so no other tensor takes the id
         self._packed = {
-            (weight.data_ptr(), tuple(weight.shape)): packed
-            for weight, packed in zip(_gemm_weights(model), packs, strict=True)
+            id(weight): (weight, packed)
+            for weight, packed in zip(weights, packs, strict=True)
             if packed is not None
         }
-        new_head = _head_weight(model)
-        if new_head is not None and rows is not None and scales is not None:
-            self._head = (new_head, rows, scales.to(torch.bfloat16))
+        head = _head_weight(model)
+        self._head = None if head is None else RescoredHead.pack(head)
 
     @property
     def num_packed(self) -> int:
         return len(self._packed)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        packed = self._packed.get((weight.data_ptr(), tuple(weight.shape)))
+        """bfloat16 ``x @ weight.T``: 4-bit where the weight is packed."""
+        packed = self._packed.get(id(weight))
         if packed is None:
-            return F.linear(x, weight)
-        return q4_matmul(x, packed)
+            return F.linear(x.to(weight.dtype), weight).to(torch.bfloat16)
+        return q4_matmul(x, packed[1])
 
     def head(self, x: Tensor, weight: Tensor) -> Tensor:
-        if self._head is None or weight is not self._head[0]:
-            return F.linear(x, weight)
-        _, rows, scales = self._head
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), rows, scales)
+        if self._head is None or weight is not self._head.weight:
+            return F.linear(x.to(weight.dtype), weight)
+        return self._head(x)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if x.dim() != 2:
+            return self.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return fused.rms_norm(x.float(), self._arrays(weight), eps)
+
+    def add_rms_norm(
+        self, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        if residual.dim() != 2:
+            rows = (-1, residual.shape[-1])
+            normed, h = self.add_rms_norm(x.reshape(rows), residual.reshape(rows), weight, eps)
+            return normed.view(residual.shape), h.view(residual.shape)
+        return fused.add_rms_norm(_bf16(x), residual, self._arrays(weight), eps)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        return fused.silu_mul(_bf16(gate_up))
+
+    def rope_qkv(
+        self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: HeadShape, qk_norm: QKNorm | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """A prefill's q, k and v: the reference's, in float32."""
+        return super().rope_qkv(qkv.float(), cos, sin, heads, qk_norm)
+
+    def attend_decode(
+        self,
+        qkv: Tensor,
+        rope: tuple[Tensor, Tensor],
+        heads: HeadShape,
+        qk_norm: QKNorm | None,
+        kv_cache: tuple[Tensor, Tensor],
+        slot_mapping: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        scale: float,
+    ) -> Tensor:
+        norm = None
+        if qk_norm is not None:
+            norm = (self._arrays(qk_norm.q_weight), self._arrays(qk_norm.k_weight), qk_norm.eps)
+        step = (*rope, slot_mapping, block_tables, seq_lens)
+        return fused.rope_write_attend(
+            _bf16(qkv), heads, norm, kv_cache, self._step_arrays(step), scale
+        )
+
+    def _step_arrays(self, step: tuple[Tensor, ...]) -> tuple[np.ndarray, ...]:
+        """A decode step's cos, sin, slots, block tables and lengths as arrays, made once
+        for all its layers (each layer is handed the same tensors; kept until the next
+        step's)."""
+        held = self._step
+        if held is None or any(a is not b for a, b in zip(held[0], step, strict=True)):
+            arrays = tuple(t.float().numpy() if t.is_floating_point() else t.numpy() for t in step)
+            self._step = held = (step, arrays)
+        return held[1]
+
+
+@dataclass(frozen=True)
+class RescoredHead:
+    """The LM head in two passes: 8-bit logits for the whole vocabulary choose `EXACT_TOKENS`
+    candidates per row, whose logits are then computed again from the float32 rows.
+
+    The head is the largest GEMM of a small model's token (the embedded model's is its tied
+    Q8_0 embedding, 49,152 x 576, 1.8 ms of a 10 ms token at 8 bits). PyTorch's int8 CPU
+    matmul takes one scale per row where Q8_0 has one per block of 32, so its logits move
+    near-ties: over the corpus that alone took the KL from float32 from 0.0015 to 0.0037
+    (graphguard/engine/fidelity.py). Rescored, the tokens that greedy choice, sampling and log
+    probabilities look at are exact (a 2.3 KiB read per candidate), and the rest of the
+    vocabulary only shares the softmax's normalizer at 8 bits. (A 4-bit first pass took 0.8
+    ms instead of 1.8, but its tail moved the normalizer: KL 0.0058 with 64 candidates, 0.0013
+    with 1,024.)
+    """
+
+    weight: Tensor  # the model's head weight, float32 [vocab, hidden] (identity is the key)
+    rows: Tensor  # int8 [vocab, hidden]
+    scales: Tensor  # bfloat16 [vocab]
+
+    EXACT_TOKENS = 64
+
+    @classmethod
+    def pack(cls, weight: Tensor) -> RescoredHead:
+        w = weight.detach()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        rows = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(weight, rows, scales.to(torch.bfloat16))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """``x [M, hidden]`` -> float32 logits ``[M, vocab]``."""
+        rows = x.reshape(-1, x.shape[-1])
+        logits = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.rows, self.scales)
+        logits = logits.float()
+        best = logits.topk(min(self.EXACT_TOKENS, logits.shape[-1]), dim=-1).indices
+        # NOTE: vecdot, not bmm: a row's dot products then do not depend on the batch around
+        # it (the 8-bit and 4-bit GEMMs' do not either), so a seeded request samples alike
+        # alone or batched.
+        exact = torch.linalg.vecdot(self.weight[best], rows.float()[:, None, :])  # [M, k]
+        return logits.scatter_(-1, best, exact).reshape(*x.shape[:-1], -1)
+
+
+def _bf16(x: Tensor) -> Tensor:
+    """x in bfloat16 (most already are: the GEMMs' outputs and the norms')."""
+    return x if x.dtype is torch.bfloat16 else x.to(torch.bfloat16)
 
 
 def _head_weight(model: nn.Module) -> Tensor | None:

@@ -172,3 +172,21 @@ class TorchKernels:
     ) -> Tensor:
         """One query token per row over its paged context (see `decode_attention`)."""
         return decode_attention(q, *kv_cache, block_tables, seq_lens, scale)
+
+    def attend_decode(
+        self,
+        qkv: Tensor,
+        rope: tuple[Tensor, Tensor],
+        heads: HeadShape,
+        qk_norm: QKNorm | None,
+        kv_cache: tuple[Tensor, Tensor],
+        slot_mapping: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        scale: float,
+    ) -> Tensor:
+        """A decode step's attention from its fused q/k/v rows: `rope_qkv_write`, then
+        `decode_attention` -> ``[T, Hq, D]`` (or ``[T, Hq * D]``); a set that fuses the two
+        overrides this."""
+        q = self.rope_qkv_write(qkv, *rope, heads, qk_norm, kv_cache, slot_mapping)
+        return self.decode_attention(q, kv_cache, block_tables, seq_lens, scale)

@@ -133,9 +133,9 @@ FLAGS: dict[str, Flag] = {
         "engine",
         "the decoder's kernels: triton (fused norms, RoPE with the KV write, SiLU-and-multiply "
         "and split-K paged decode attention; CUDA), torch (plain PyTorch ops, the reference) "
-        "or auto, triton on CUDA in bfloat16/float16; q4: the plain ops with 4-bit GEMMs on a "
-        "CPU for 4-bit (Q4_1) weights such as the embedded model's, with --dtype bfloat16 "
-        "(default: {default})",
+        "or auto, triton on CUDA in bfloat16/float16; q4: 4-bit GEMMs, a rescored 8-bit head "
+        "and fused loops on a CPU for 4-bit (Q4_1) weights such as the embedded model's, "
+        "float32 activations (default: {default})",
         choices=KERNEL_CHOICES,
     ),
     "overlap_decode": Flag(

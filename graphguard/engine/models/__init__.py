@@ -86,7 +86,7 @@ class DecoderModel(nn.Module):
         rope = self.rotary(positions, h.dtype)
         residual: Tensor | None = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k_cache, kv.v_cache, strict=True):
-            h, residual = layer(h, residual, rope, meta, (k_cache, v_cache), self.kernels)
+            h, residual = layer.forward(h, residual, rope, meta, (k_cache, v_cache), self.kernels)
         return self.final_norm(h, residual)
 
     def final_norm(self, h: Tensor, residual: Tensor | None) -> Tensor:

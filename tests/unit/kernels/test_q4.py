@@ -1,7 +1,9 @@
 """4-bit GEMMs on the CPU for 4-bit weights (graphguard/kernels/q4.py): the packing reads a
 Q4_1 checkpoint's levels back exactly and refuses other weights, the matmul agrees with the
-float32 GEMM, and the engine with `kernels="q4"` gives the documented answers of the embedded
-model in float32."""
+float32 GEMM, the rescored head is exact where it matters, and the embedded model's next-token
+distributions with `kernels="q4"` are at least as close to float32's over the corpus as
+bfloat16's are (graphguard/engine/fidelity.py), which holds on every CPU where one near-tie
+answer does not."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import pytest
 import torch
 
 from graphguard.engine.config import EngineConfig
+from graphguard.engine.fidelity import Scored, compare, corpus_text, score_text
 from graphguard.engine.llm import LLM
 from graphguard.engine.loader import load_model
 from graphguard.engine.sampling import SamplingParams
 from graphguard.kernels import select_kernels
-from graphguard.kernels.q4 import GROUP, Q4Kernels, pack_q4, q4_matmul
+from graphguard.kernels.q4 import GROUP, Q4Kernels, RescoredHead, pack_q4, q4_matmul
 
 
 def q4_1_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -46,44 +49,88 @@ def test_weights_that_are_not_4bit_blocks_are_refused() -> None:
     assert pack_q4(q4_1_weight(64, 96)[:, :80]) is None  # not in blocks of 32
 
 
-def test_prepare_packs_a_float32_model_and_turns_it_to_bfloat16() -> None:
+def test_prepare_packs_the_4bit_weights_and_keeps_the_model_float32() -> None:
     loaded = load_model(None, dtype="float32", device="cpu", progress=False)
     kernels = Q4Kernels()
     kernels.prepare(loaded.model)
     # 30 layers x (q/k/v, o, gate/up, down): the embedded model's Q4_1 weights, all of them
     assert kernels.num_packed == 4 * loaded.config.num_layers
-    assert next(loaded.model.parameters()).dtype == torch.bfloat16
-    layer = loaded.model.layers[0].self_attn
-    assert layer.qkv_weight is not None and layer.qkv_weight.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
     with pytest.raises(ValueError, match="float32"):
-        Q4Kernels().prepare(loaded.model)  # bfloat16 now: its levels are gone
+        Q4Kernels().prepare(loaded.model.to(torch.bfloat16))  # its levels are gone
 
 
-def test_the_embedded_model_gives_its_documented_answers_with_4bit_gemms() -> None:
-    short = SamplingParams(temperature=0.0, max_tokens=24)
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    answers = {}
-    for kernels in ("torch", "q4"):
-        loaded = load_model(None, dtype="float32", device="cpu", progress=False)
-        llm = LLM(loaded, kernels=kernels, max_model_len=256, max_num_seqs=2)
+def test_the_rescored_head_is_exact_on_its_candidates_and_batch_invariant() -> None:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(4096, 192, generator=g) * 0.05
+    head = RescoredHead.pack(weight)
+    x = torch.randn(5, 192, generator=g)
+    logits = head(x)
+    exact = x @ weight.T
+    # the few best (well inside the 64 candidates the 8-bit pass chose) are exact
+    best = logits.topk(8, dim=-1).indices
+    assert torch.allclose(logits.gather(1, best), exact.gather(1, best), rtol=0, atol=1e-5)
+    assert torch.equal(best, exact.topk(8, dim=-1).indices)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert not torch.allclose(logits, exact, rtol=0, atol=1e-5)  # the tail is 8-bit
+    assert torch.equal(head(x[2:3])[0], logits[2])
+
+
+@pytest.fixture(scope="module")
+def corpus_scores() -> dict[str, Scored]:
+    """The embedded model's log-probabilities over the corpus in float32, bfloat16 and q4."""
+    scores = {}
+    for name, dtype, kernels in (
+        ("float32", "float32", "torch"),
+        ("bfloat16", "bfloat16", "torch"),
+        ("q4", "float32", "q4"),
+    ):
+        loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
+        llm = LLM(loaded, kernels=kernels, max_model_len=512, max_num_seqs=2)
         try:
-            assert llm.engine.kernels.name == ("torch-q4" if kernels == "q4" else "torch")
-            chat = llm.chat(question, short).text
-            count = llm.generate(["1, 2, 3, 4,"], short, use_tqdm=False)[0].text
-            answers[kernels] = (chat, count)
-            if kernels == "q4":
-                with pytest.raises(RuntimeError, match="q4"):
-                    llm.engine.reload_weights(dict(llm.engine.model.state_dict()))
+            scores[name] = score_text(llm.engine, corpus_text())
         finally:
             llm.engine.shutdown()
-    assert answers["q4"] == answers["torch"]
-    assert answers["q4"][0] == "The capital of France is Paris."
+    return scores
 
 
-def test_q4_is_asked_for_on_a_cpu_in_bfloat16_only() -> None:
-    with pytest.raises(ValueError, match="bfloat16"):
-        EngineConfig(kernels="q4", dtype="float32")
+def test_4bit_distributions_are_as_close_to_float32_as_bfloat16s(corpus_scores) -> None:
+    q4 = compare(corpus_scores["float32"], corpus_scores["q4"])
+    bf16 = compare(corpus_scores["float32"], corpus_scores["bfloat16"])
+    assert q4.positions == bf16.positions > 3000
+    # measured: q4 KL 0.00044, top-1 0.992; bfloat16 KL 0.00107, top-1 0.977. The 4-bit
+    # path before its head was rescored and its activations kept float32: KL 0.0026, 0.964.
+    assert q4.kl <= bf16.kl
+    assert q4.kl < 0.001 and q4.top1 > 0.98 and abs(q4.nll_diff) < 0.005
+    assert bf16.kl < 0.003 and bf16.top1 > 0.95
+
+
+def test_the_4bit_engine_repeats_itself_alone_and_batched() -> None:
+    """Exact answers only within one path: the same request gives the same tokens twice, and
+    alone or batched with others (every q4 kernel computes a row on its own)."""
+    loaded = load_model(None, dtype="float32", device="cpu", progress=False)
+    llm = LLM(loaded, kernels="q4", max_model_len=256, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    try:
+        assert llm.engine.kernels.name == "torch-q4"
+        prompt = "The capital of France is"
+        alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == alone
+        others = ["1, 2, 3, 4,", "Once upon a time", "def add(a, b):"]
+        batched = llm.generate([*others, prompt], params, use_tqdm=False)
+        assert batched[-1].token_ids == alone
+        with pytest.raises(RuntimeError, match="q4"):
+            llm.engine.reload_weights(dict(llm.engine.model.state_dict()))
+    finally:
+        llm.engine.shutdown()
+
+
+def test_q4_is_asked_for_on_a_cpu_in_float32_only() -> None:
+    with pytest.raises(ValueError, match="float32"):
+        EngineConfig(kernels="q4", dtype="bfloat16")
     with pytest.raises(ValueError, match="CPU"):
         select_kernels("q4", torch.device("cuda", 0), torch.bfloat16)
-    assert select_kernels("q4", torch.device("cpu"), torch.bfloat16).name == "torch-q4"
+    with pytest.raises(ValueError, match="float32"):
+        select_kernels("q4", torch.device("cpu"), torch.bfloat16)
+    assert select_kernels("q4", torch.device("cpu"), torch.float32).name == "torch-q4"
     assert select_kernels("auto", torch.device("cpu"), torch.bfloat16).name == "torch"

@@ -1,0 +1,113 @@
+"""How far one way of running a model is from another: next-token distributions over a text.
+
+Two numerically different paths (float32, bfloat16, 4-bit GEMMs; one CPU's instruction set
+or another's) never agree bit for bit, and a greedy answer that starts on a near-tie can
+follow either path's first word. So they are compared over many positions instead: the text is
+scored in windows through the engine's own prefill (every position's logits, as a prompt's
+are), and each position's next-token distribution is compared with the reference's:
+
+- ``kl``: mean KL(reference || path) in nats, the information the path loses per token;
+- ``top1``: the share of positions whose most likely next token is the reference's;
+- ``logprob_diff``: mean |log p(actual next token)| difference, and ``nll_diff`` the signed
+  mean (how much worse the path predicts the text; negative is better).
+
+`score_text` gives a path's log-probabilities; `compare` the figures between two paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.engine import LLMEngine
+from graphguard.engine.forward import eager_prefill
+
+WINDOW_TOKENS = 512  # each window is scored from a fresh start, its first token unpredicted
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Log-probabilities ``[P, vocab]`` (float32) at P positions and the token that followed."""
+
+    logprobs: Tensor
+    targets: Tensor  # [P] int64
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """A path's figures against a reference over the same positions (see module)."""
+
+    positions: int
+    kl: float
+    top1: float
+    logprob_diff: float
+    nll_diff: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def corpus_text() -> str:
+    """The fixed evaluation text the CPU paths are measured on (graphguard/data/corpus.txt)."""
+    return resources.files("graphguard.data").joinpath("corpus.txt").read_text(encoding="utf-8")
+
+
+def score_text(engine: LLMEngine, text: str, window: int = WINDOW_TOKENS) -> Scored:
+    """Every window's positions scored by `engine`'s model, its kernels and dtype."""
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    chunks = [ids[start : start + window] for start in range(0, len(ids), window)]
+    parts = [_score_window(engine, chunk) for chunk in chunks if len(chunk) > 1]
+    return Scored(
+        logprobs=torch.cat([logprobs for logprobs, _ in parts]),
+        targets=torch.cat([targets for _, targets in parts]),
+    )
+
+
+def compare(reference: Scored, path: Scored) -> Fidelity:
+    """The figures of `path` against `reference` (the same text, so the same targets)."""
+    if not torch.equal(reference.targets, path.targets):
+        raise ValueError("the two scores are of different texts")
+    ref, got = reference.logprobs, path.logprobs
+    kl = (ref.exp() * (ref - got)).sum(dim=-1)
+    rows, targets = torch.arange(len(reference.targets)), reference.targets
+    ref_target, got_target = ref[rows, targets], got[rows, targets]
+    return Fidelity(
+        positions=len(rows),
+        kl=float(kl.mean()),
+        top1=float((ref.argmax(dim=-1) == got.argmax(dim=-1)).float().mean()),
+        logprob_diff=float((got_target - ref_target).abs().mean()),
+        nll_diff=float((ref_target - got_target).mean()),
+    )
+
+
+def _score_window(engine: LLMEngine, ids: list[int]) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of positions 0..n-2 of one fresh sequence, and tokens 1..n-1."""
+    kv, device = engine.kv, engine.device
+    num_tokens = len(ids)
+    blocks = kv.allocate(-(-num_tokens // kv.block_size))
+    try:
+        table = torch.tensor([blocks], dtype=torch.int32, device=device)
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        block_of = table[0, positions // kv.block_size].long()
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=block_of * kv.block_size + positions % kv.block_size,
+            block_tables=table,
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+            seq_lens_cpu=[num_tokens],
+            query_lens_cpu=[num_tokens],
+            prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
+        )
+        tokens = torch.tensor(ids, dtype=torch.int64, device=device)
+        with torch.no_grad():
+            hidden = eager_prefill(engine.model, kv, tokens, positions, meta, None)
+            logits = engine.model.compute_logits(hidden[:-1])
+        return F.log_softmax(logits.float(), dim=-1).cpu(), tokens[1:].cpu()
+    finally:
+        kv.free(blocks)
