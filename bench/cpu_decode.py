@@ -7,6 +7,9 @@ run to the next); the chat answer to "What is the capital of France?" and the co
 "1, 2, 3, 4," in each configuration. The CPU features the kernels use are printed first.
 
     python bench/cpu_decode.py [--threads 2] [--configs float32,bfloat16,q4] [--repeats 5]
+
+`--configs ...,llama.cpp` adds llama.cpp on the same GGUF file, through the llama-cpp-python
+package where it is installed (it is not a dependency: it compiles llama.cpp for minutes).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import write_json  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
-from graphguard.engine.loader import load_model  # noqa: E402
+from graphguard.engine.loader import embedded_gguf_path, load_model  # noqa: E402
 from graphguard.engine.sampling import SamplingParams  # noqa: E402
 from graphguard.kernels.isa import cpu_features  # noqa: E402
 
@@ -54,6 +57,33 @@ def measure(config: str, repeats: int) -> dict:
         llm.engine.shutdown()
 
 
+def measure_llama_cpp(threads: int, repeats: int) -> dict:
+    """llama.cpp (the llama-cpp-python package, when installed) on the same GGUF file."""
+    from llama_cpp import Llama
+
+    gguf = str(embedded_gguf_path())
+    llm = Llama(model_path=gguf, n_threads=threads, n_ctx=512, verbose=False, seed=0)
+    no_eos = {llm.token_eos(): float("-inf")}
+
+    def complete(prompt: str, max_tokens: int, **extra: object) -> dict:
+        return llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, **extra)
+
+    complete(PROMPT, NEW_TOKENS, logit_bias=no_eos)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = complete(PROMPT, NEW_TOKENS, logit_bias=no_eos)
+        rates.append(out["usage"]["completion_tokens"] / (time.perf_counter() - start))
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = llm.create_chat_completion(question, max_tokens=24, temperature=0.0)
+    return dict(
+        config="llama.cpp", tok_s=statistics.median(rates), best_tok_s=max(rates),
+        runs_tok_s=rates, chat=chat["choices"][0]["message"]["content"],
+        count=complete("1, 2, 3, 4,", 24)["choices"][0]["text"],
+        continuation=out["choices"][0]["text"],
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -62,7 +92,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     features = ", ".join(cpu_features())
-    rows = [measure(config, args.repeats) for config in args.configs.split(",")]
+    rows = [
+        measure_llama_cpp(args.threads, args.repeats)
+        if config == "llama.cpp"
+        else measure(config, args.repeats)
+        for config in args.configs.split(",")
+    ]
     path = write_json(
         "cpu_decode.json", dict(threads=args.threads, cpu_features=features, rows=rows)
     )

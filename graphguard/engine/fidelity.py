@@ -11,7 +11,9 @@ are), and each position's next-token distribution is compared with the reference
 - ``logprob_diff``: mean |log p(actual next token)| difference, and ``nll_diff`` the signed
   mean (how much worse the path predicts the text; negative is better).
 
-`score_text` gives a path's log-probabilities; `compare` the figures between two paths.
+`score_text` gives a path's log-probabilities over a text through its prefill, `score_decode`
+through its decode step (a prompt prefilled, then the text's next tokens fed one step at a
+time, as generation runs them); `compare` the figures between two paths.
 """
 
 from __future__ import annotations
@@ -68,6 +70,42 @@ def score_text(engine: LLMEngine, text: str, window: int = WINDOW_TOKENS) -> Sco
     )
 
 
+def score_decode(engine: LLMEngine, text: str, prompt_tokens: int, steps: int) -> Scored:
+    """The log-probabilities of `steps` decode steps of one sequence: the text's first
+    `prompt_tokens` tokens prefilled, then each next token of the text fed as the step's input
+    (teacher forcing), so every path is scored on the same inputs."""
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)[: prompt_tokens + steps + 1]
+    if len(ids) < prompt_tokens + steps + 1:
+        raise ValueError(f"the text has fewer than {prompt_tokens + steps + 1} tokens")
+    kv, device = engine.kv, engine.device
+    blocks = kv.allocate(-(-len(ids) // kv.block_size))
+    try:
+        table = torch.tensor([blocks], dtype=torch.int32, device=device)
+        tokens = torch.tensor(ids, dtype=torch.int64, device=device)
+        positions = torch.arange(len(ids), dtype=torch.int64, device=device)
+        slots = table[0, positions // kv.block_size].long() * kv.block_size
+        slots += positions % kv.block_size
+        with torch.no_grad():
+            eager_prefill(
+                engine.model, kv, tokens[:prompt_tokens], positions[:prompt_tokens],
+                _prefill_meta(table, slots[:prompt_tokens]), None,
+            )  # fmt: skip
+            rows = [
+                engine.forward.decode(
+                    tokens[t : t + 1],
+                    positions[t : t + 1],
+                    table,
+                    torch.tensor([t + 1], dtype=torch.int32, device=device),
+                    slots[t : t + 1],
+                )  # fmt: skip
+                for t in range(prompt_tokens, prompt_tokens + steps)
+            ]
+        logprobs = F.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+        return Scored(logprobs, tokens[prompt_tokens + 1 : prompt_tokens + steps + 1].cpu())
+    finally:
+        kv.free(blocks)
+
+
 def compare(reference: Scored, path: Scored) -> Fidelity:
     """The figures of `path` against `reference` (the same text, so the same targets)."""
     if not torch.equal(reference.targets, path.targets):
@@ -93,21 +131,28 @@ def _score_window(engine: LLMEngine, ids: list[int]) -> tuple[Tensor, Tensor]:
     try:
         table = torch.tensor([blocks], dtype=torch.int32, device=device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
-        block_of = table[0, positions // kv.block_size].long()
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=block_of * kv.block_size + positions % kv.block_size,
-            block_tables=table,
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-            seq_lens_cpu=[num_tokens],
-            query_lens_cpu=[num_tokens],
-            prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
-        )
+        slots = table[0, positions // kv.block_size].long() * kv.block_size
+        slots += positions % kv.block_size
         tokens = torch.tensor(ids, dtype=torch.int64, device=device)
+        meta = _prefill_meta(table, slots)
         with torch.no_grad():
             hidden = eager_prefill(engine.model, kv, tokens, positions, meta, None)
             logits = engine.model.compute_logits(hidden[:-1])
         return F.log_softmax(logits.float(), dim=-1).cpu(), tokens[1:].cpu()
     finally:
         kv.free(blocks)
+
+
+def _prefill_meta(table: Tensor, slots: Tensor) -> AttentionMetadata:
+    """The metadata of one fresh sequence's prefill of ``len(slots)`` tokens."""
+    num_tokens, device = len(slots), table.device
+    return AttentionMetadata(
+        is_prefill=True,
+        slot_mapping=slots,
+        block_tables=table,
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens_cpu=[num_tokens],
+        query_lens_cpu=[num_tokens],
+        prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
+    )

@@ -190,6 +190,20 @@ def _decode_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, block_si
         _f32_to_bf16(row_out, out[r])
 
 
+@_jit
+def _rope_write_attend_rows(
+    qkv_bits, cos, sin, num_heads, num_kv_heads, q_weight, k_weight, eps, use_qk_norm,
+    k_cache, v_cache, slots, block_tables, seq_lens, block_size, scale, out,
+):  # fmt: skip
+    """`_rope_write_rows`, then `_decode_attention_rows` (one call from Python)."""
+    q = np.empty((qkv_bits.shape[0], num_heads, cos.shape[1]), np.float32)
+    _rope_write_rows(
+        qkv_bits, cos, sin, num_heads, num_kv_heads, q_weight, k_weight, eps, use_qk_norm,
+        k_cache, v_cache, slots, q,
+    )  # fmt: skip
+    _decode_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, out)
+
+
 def _bits(t: Tensor) -> np.ndarray:
     """A bfloat16 tensor's bits as an int16 array (a view)."""
     return t.view(torch.int16).numpy()
@@ -259,13 +273,11 @@ def rope_write_attend(
     cos, sin, slots, block_tables, seq_lens = step
     rows = qkv.shape[0]
     k_cache, v_cache = (c.view(-1, num_kv_heads, head_dim).numpy() for c in kv_cache)
-    q = np.empty((rows, num_heads, head_dim), np.float32)
     q_weight, k_weight, eps = qk_norm if qk_norm is not None else (cos[0], cos[0], 0.0)
-    _rope_write_rows(
-        _bits(qkv), cos, sin, num_heads, num_kv_heads, q_weight, k_weight, eps,
-        qk_norm is not None, k_cache, v_cache, slots, q,
-    )  # fmt: skip
     out, bits = _bf16(rows, num_heads * head_dim)
-    block_size = kv_cache[0].shape[1]
-    _decode_attention_rows(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, bits)
+    _rope_write_attend_rows(
+        _bits(qkv), cos, sin, num_heads, num_kv_heads, q_weight, k_weight, eps,
+        qk_norm is not None, k_cache, v_cache, slots, block_tables, seq_lens,
+        kv_cache[0].shape[1], scale, bits,
+    )  # fmt: skip
     return out

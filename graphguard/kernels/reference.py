@@ -8,7 +8,7 @@ which override what they fuse and inherit the rest.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -190,3 +190,17 @@ class TorchKernels:
         overrides this."""
         q = self.rope_qkv_write(qkv, *rope, heads, qk_norm, kv_cache, slot_mapping)
         return self.decode_attention(q, kv_cache, block_tables, seq_lens, scale)
+
+    def decode_layers(
+        self,
+        layers: nn.ModuleList,
+        h: Tensor,
+        rope: tuple[Tensor, Tensor],
+        meta: Any,
+        kv: Any,
+    ) -> tuple[Tensor, Tensor] | None:
+        """A decode step's decoder layers run by the set itself -> (last layer's output,
+        residual), or None: the model runs them layer by layer (every set but one). For a set
+        whose calls cost more than their math (kernels/q4.py). `meta` and `kv` are the step's
+        attention metadata and paged KV storage (graphguard/engine)."""
+        return None

@@ -84,6 +84,10 @@ class DecoderModel(nn.Module):
         """ids/positions ``[num_tokens]`` int64 -> final hidden states ``[num_tokens, hidden]``."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
+        if not meta.is_prefill:
+            ran = self.kernels.decode_layers(self.layers, h, rope, meta, kv)
+            if ran is not None:
+                return self.final_norm(*ran)
         residual: Tensor | None = None
         for layer, k_cache, v_cache in zip(self.layers, kv.k_cache, kv.v_cache, strict=True):
             h, residual = layer.forward(h, residual, rope, meta, (k_cache, v_cache), self.kernels)

@@ -7,11 +7,14 @@ answer does not."""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
 from graphguard.engine.config import EngineConfig
-from graphguard.engine.fidelity import Scored, compare, corpus_text, score_text
+from graphguard.engine.engine import LLMEngine
+from graphguard.engine.fidelity import Scored, compare, corpus_text, score_decode, score_text
 from graphguard.engine.llm import LLM
 from graphguard.engine.loader import load_model
 from graphguard.engine.sampling import SamplingParams
@@ -123,6 +126,57 @@ def test_the_4bit_engine_repeats_itself_alone_and_batched() -> None:
             llm.engine.reload_weights(dict(llm.engine.model.state_dict()))
     finally:
         llm.engine.shutdown()
+
+
+def decode_inputs(engine: LLMEngine) -> tuple[torch.Tensor, ...]:
+    """A decode batch of three rows over random K/V already in the cache (each row's blocks
+    its own; contexts that end mid-block), the new tokens at their last positions."""
+    g = torch.Generator().manual_seed(3)
+    for cache in (*engine.kv.k_cache, *engine.kv.v_cache):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    lens = torch.tensor([5, 23, 40], dtype=torch.int32)
+    tables = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
+    last = (lens - 1).long()
+    slots = tables.long().gather(1, (last // 16)[:, None]).squeeze(1) * 16 + last % 16
+    ids = torch.randint(0, 49152, (3,), generator=g)
+    return ids, last, tables, lens, slots
+
+
+def test_the_decode_plan_runs_the_layers_ops_bit_for_bit() -> None:
+    loaded = load_model(None, dtype="float32", device="cpu", progress=False)
+    llm = LLM(loaded, kernels="q4", max_model_len=256, max_num_seqs=4)
+    try:
+        engine = llm.engine
+        kernels = engine.model.kernels
+        assert isinstance(kernels, Q4Kernels)
+        inputs = decode_inputs(engine)
+        planned = engine.forward.decode(*inputs)
+        with patch.object(Q4Kernels, "decode_layers", return_value=None) as skipped:
+            layered = engine.forward.decode(*inputs)
+        assert skipped.called and torch.equal(planned, layered)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_4bit_decode_steps_are_as_close_to_float32_as_bfloat16s() -> None:
+    """The decode path (the plan, the fused attention over the paged cache, the rescored head)
+    over 48 steps of the corpus fed token by token after a 200-token prompt."""
+    scores = {}
+    for name, dtype, kernels in (
+        ("float32", "float32", "torch"),
+        ("bfloat16", "bfloat16", "torch"),
+        ("q4", "float32", "q4"),
+    ):
+        loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
+        llm = LLM(loaded, kernels=kernels, max_model_len=512, max_num_seqs=2)
+        try:
+            scores[name] = score_decode(llm.engine, corpus_text(), 200, 48)
+        finally:
+            llm.engine.shutdown()
+    q4 = compare(scores["float32"], scores["q4"])
+    bf16 = compare(scores["float32"], scores["bfloat16"])
+    assert q4.positions == 48
+    assert q4.kl <= bf16.kl and q4.kl < 0.002 and q4.top1 > 0.95
 
 
 def test_q4_is_asked_for_on_a_cpu_in_float32_only() -> None:
