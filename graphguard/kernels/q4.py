@@ -181,13 +181,16 @@ class Q4Kernels(TorchKernels):
         seq_lens: Tensor,
         scale: float,
     ) -> Tensor:
-        norm = None
-        if qk_norm is not None:
-            norm = (self._arrays(qk_norm.q_weight), self._arrays(qk_norm.k_weight), qk_norm.eps)
         step = (*rope, slot_mapping, block_tables, seq_lens)
         return fused.rope_write_attend(
-            _bf16(qkv), heads, norm, kv_cache, self._step_arrays(step), scale
+            _bf16(qkv), heads, self._qk_arrays(qk_norm), kv_cache, self._step_arrays(step), scale
         )
+
+    def _qk_arrays(self, norm: QKNorm | None) -> tuple[np.ndarray, np.ndarray, float] | None:
+        """A q/k norm as the fused attention takes it."""
+        if norm is None:
+            return None
+        return self._arrays(norm.q_weight), self._arrays(norm.k_weight), norm.eps
 
     def decode_layers(
         self,
@@ -229,9 +232,7 @@ class Q4Kernels(TorchKernels):
             after = layers[index + 1].input_layernorm if index + 1 < len(layers) else None
             post = layer.post_attention_layernorm
             qkv, o, gate_up, down = (packed[id(weight)] for weight in weights)
-            qk_norm = None
-            if norm is not None:
-                qk_norm = (self._arrays(norm.q_weight), self._arrays(norm.k_weight), norm.eps)
+            qk_norm = self._qk_arrays(norm)
             next_norm = None if after is None else (self._arrays(after.weight), after.eps)
             post_norm = (self._arrays(post.weight), post.eps)
             steps.append(

@@ -80,8 +80,10 @@ def test_the_rescored_head_is_exact_on_its_candidates_and_batch_invariant() -> N
 
 
 @pytest.fixture(scope="module")
-def corpus_scores() -> dict[str, Scored]:
-    """The embedded model's log-probabilities over the corpus in float32, bfloat16 and q4."""
+def corpus_scores() -> dict[str, tuple[Scored, Scored]]:
+    """The embedded model's log-probabilities over the corpus in float32, bfloat16 and q4:
+    through the prefill, and over 48 decode steps fed token by token after a 200-token
+    prompt (the decode path: the plan, the fused attention over the paged cache, the head)."""
     scores = {}
     for name, dtype, kernels in (
         ("float32", "float32", "torch"),
@@ -91,15 +93,16 @@ def corpus_scores() -> dict[str, Scored]:
         loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
         llm = LLM(loaded, kernels=kernels, max_model_len=512, max_num_seqs=2)
         try:
-            scores[name] = score_text(llm.engine, corpus_text())
+            text = corpus_text()
+            scores[name] = (score_text(llm.engine, text), score_decode(llm.engine, text, 200, 48))
         finally:
             llm.engine.shutdown()
     return scores
 
 
 def test_4bit_distributions_are_as_close_to_float32_as_bfloat16s(corpus_scores) -> None:
-    q4 = compare(corpus_scores["float32"], corpus_scores["q4"])
-    bf16 = compare(corpus_scores["float32"], corpus_scores["bfloat16"])
+    q4 = compare(corpus_scores["float32"][0], corpus_scores["q4"][0])
+    bf16 = compare(corpus_scores["float32"][0], corpus_scores["bfloat16"][0])
     assert q4.positions == bf16.positions > 3000
     # measured: q4 KL 0.00044, top-1 0.992; bfloat16 KL 0.00107, top-1 0.977. The 4-bit
     # path before its head was rescored and its activations kept float32: KL 0.0026, 0.964.
@@ -158,24 +161,11 @@ def test_the_decode_plan_runs_the_layers_ops_bit_for_bit() -> None:
         llm.engine.shutdown()
 
 
-def test_4bit_decode_steps_are_as_close_to_float32_as_bfloat16s() -> None:
-    """The decode path (the plan, the fused attention over the paged cache, the rescored head)
-    over 48 steps of the corpus fed token by token after a 200-token prompt."""
-    scores = {}
-    for name, dtype, kernels in (
-        ("float32", "float32", "torch"),
-        ("bfloat16", "bfloat16", "torch"),
-        ("q4", "float32", "q4"),
-    ):
-        loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
-        llm = LLM(loaded, kernels=kernels, max_model_len=512, max_num_seqs=2)
-        try:
-            scores[name] = score_decode(llm.engine, corpus_text(), 200, 48)
-        finally:
-            llm.engine.shutdown()
-    q4 = compare(scores["float32"], scores["q4"])
-    bf16 = compare(scores["float32"], scores["bfloat16"])
+def test_4bit_decode_steps_are_as_close_to_float32_as_bfloat16s(corpus_scores) -> None:
+    q4 = compare(corpus_scores["float32"][1], corpus_scores["q4"][1])
+    bf16 = compare(corpus_scores["float32"][1], corpus_scores["bfloat16"][1])
     assert q4.positions == 48
+    # measured over 128 steps: q4 KL 0.00037, top-1 1.0; bfloat16 0.00103, 0.992
     assert q4.kl <= bf16.kl and q4.kl < 0.002 and q4.top1 > 0.95
 
 
