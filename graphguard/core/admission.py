@@ -130,11 +130,6 @@ class AdmissionPolicy:
     def record_call(self, key: GraphKey) -> None:
         self.sketch.add(key)  # the sightings min_hits counts, in fixed memory
 
-    def record_capture(self, key: GraphKey, seconds: float, resident_bytes: int) -> None:
-        """A capture of `seconds` that was admitted at `resident_bytes`."""
-        self.record_work(seconds)
-        self.record_admitted(key, resident_bytes)
-
     def record_work(self, seconds: float) -> None:
         """Capture work (a unit of it, or a whole capture), admitted or not: the price that the
         capture-work budget counts."""
@@ -220,10 +215,10 @@ class AdmissionPolicy:
     def paid_back(self, key: GraphKey) -> bool:
         """Whether `key`'s eager excess covers `payback` times its price (rule 7; True when
         payback is off or no price is known yet)."""
-        price = self.price(key) if self.config.payback else None
-        if price is None:
+        if not self.config.payback:
             return True
-        return self._excess.get(key, 0.0) >= self.config.payback * price
+        price = self.price(key)
+        return price is None or self._excess.get(key, 0.0) >= self.config.payback * price
 
     def blocked_for_warmup(self, key: GraphKey) -> FallbackReason | None:
         """Warm-up skips earned-capture and frequency rules, not quarantine or thrash backoff."""

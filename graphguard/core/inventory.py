@@ -44,16 +44,6 @@ class NodeInventory:
             "kernels": dict(self.kernels),
         }
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> NodeInventory:
-        if not data.get("available"):
-            return cls(unavailable=str(data.get("reason", "unavailable: not recorded")))
-        return cls(
-            num_nodes=int(data["num_nodes"]),
-            node_types={str(k): int(v) for k, v in data.get("node_types", {}).items()},
-            kernels={str(k): int(v) for k, v in data.get("kernels", {}).items()},
-        )
-
 
 def unavailable(why: str) -> NodeInventory:
     return NodeInventory(unavailable=f"unavailable: {why}")

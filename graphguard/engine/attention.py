@@ -103,22 +103,6 @@ def plan_prefill_groups(
     return tuple(_build_group(g, query_lens, starts, device) for g in groups) + continued
 
 
-def per_sequence_groups(
-    query_lens: list[int], seq_lens: list[int], device: torch.device | str
-) -> tuple[PrefillGroup, ...]:
-    """A plan with every sequence in a group of its own: one attention call per sequence and
-    layer (the reference the grouped plan is measured and tested against)."""
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return tuple(
-        PrefillGroup(1, q, starts[i], starts[i + 1])
-        if q == s
-        else PrefillGroup(1, q, starts[i], starts[i + 1], i, s)
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
-    )
-
-
 def _build_group(
     group: list[int], lens: list[int], starts: list[int], device: torch.device | str
 ) -> PrefillGroup:

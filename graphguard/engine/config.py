@@ -93,7 +93,8 @@ class GraphConfig:
     enforce_eager: bool = False  # decode and prefill eagerly, never through graphs
     backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
     # each graph holds its own cuBLAS workspace (32 MiB with serve's CUBLAS_WORKSPACE_CONFIG),
-    # so 2 GiB keeps every decode key of a 32-sequence server resident
+    # so 2 GiB keeps every decode key of the narrowest table resident (seven buckets up to the
+    # default 64 sequences, 224 MiB of workspaces) with room for the wider tables' keys
     max_bytes: int = 2 << 30  # budget of the decode graphs, and separately of the prefill ones
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     manifest: str | None = None  # prewarm the decode graphs of this manifest at start

@@ -105,7 +105,7 @@ class LLMEngine:
         built = self._build_graphs()
         # when the capability proof passes; else why decode runs eagerly
         self.graphs: EngineGraphs | None = built if isinstance(built, EngineGraphs) else None
-        self.graphs_disabled_reason = None if self.graphs else str(built)
+        self._graphs_off = None if self.graphs else str(built)  # see graphs_off_reason
         self.runner = self._build_runner()
         # decode steps launched before the host reads the last one's tokens (overlap.py)
         self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
@@ -396,9 +396,9 @@ class LLMEngine:
         """Why decode runs eagerly (None while graphs are on)."""
         if self.graphs is not None:
             return None
-        # NOTE: the engine sets one of graphs and graphs_disabled_reason when it starts;
-        # neither is left once it has shut down.
-        return self.graphs_disabled_reason or "the engine is shut down"
+        # NOTE: the engine sets one of graphs and _graphs_off when it starts; neither is left
+        # once it has shut down.
+        return self._graphs_off or "the engine is shut down"
 
     @property
     def graph_registry(self) -> Any:

@@ -184,11 +184,11 @@ class EngineGraphs:
         `warmup_keys`: what they cost prices the captures that traffic earns (the admission's
         payback rule), before a request pays for the lesson, and under the pad-up rule
         (`decode_pad_factor`, `row_pad_factor`) they answer every decode batch and every
-        prefill as rows from the first step (keys.py `pad_ladder`: 32 and 1 rows of decode,
-        2,048, 256 and 32 tokens of rows at the default factors, each at the widths it runs
-        at). A short step is launch-bound, so a padded replay costs about what its own graph
-        would. Without rows, the smallest prefill group. Not under tensor parallelism, where
-        rank 0 learns the price from the first capture earned."""
+        prefill as rows from the first step (keys.py `pad_ladder`: 64 and 2 rows of decode with
+        the default 64 sequences, 2,048, 256 and 32 tokens of rows, at the default factors,
+        each at the widths it runs at). A short step is launch-bound, so a padded replay costs
+        about what its own graph would. Without rows, the smallest prefill group. Not under
+        tensor parallelism, where rank 0 learns the price from the first capture earned."""
         if self.role is not None:
             return
         batch_sizes, widths = warmup_keys  # warmup_shapes: never empty

@@ -96,9 +96,6 @@ class Scheduler:
         """Running sequences, counting the forks that admitted prefills will start."""
         return sum(seq.group_size for seq in self.running)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def has_pending_prefills(self) -> bool:
         """Whether a request waits for its first token: queued, or prefilling in chunks."""
         return bool(self.waiting) or not all(_decodes_next(seq) for seq in self.running)

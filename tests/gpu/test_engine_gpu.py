@@ -66,7 +66,7 @@ def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
 def test_graphs_are_on_with_the_capability_proof(loaded):
     engine = make(loaded)
     try:
-        assert isinstance(engine.graphs, EngineGraphs) and engine.graphs_disabled_reason is None
+        assert isinstance(engine.graphs, EngineGraphs) and engine.graphs_off_reason is None
         # kernels compiled at start: one warm-up before each capture, decode and prefill
         assert engine.graphs.decode.runner.backend.num_warmup == 1
         assert engine.graphs.prefill.runner.backend.num_warmup == 1

@@ -43,6 +43,18 @@ def test_eviction_skips_pinned_entries():
     assert not a.is_retired and b.is_retired
 
 
+def test_bytes_reserved_for_a_capture_in_flight_make_eviction_come_sooner():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=4 * SEG)
+    a = entry_of("a", backend)
+    cache.admit(a)
+    assert cache.victims_for(2 * SEG) == []  # 3 segments free
+    assert cache.reserve(2 * SEG)  # a capture in flight holds two of them
+    assert cache.victims_for(2 * SEG) == [a]  # 1 free: a must go for two more
+    cache.unreserve(2 * SEG)
+    assert cache.victims_for(2 * SEG) == [] and not a.is_retired
+
+
 def test_candidate_that_cannot_fit_is_refused_and_nothing_is_evicted():
     backend = SimBackend(segment_bytes=SEG)
     cache = GraphCache(max_bytes=2 * SEG)

@@ -12,12 +12,29 @@ from graphguard.engine.attention import (
     MAX_PAD_RATIO,
     SMALL_GROUP_AREA,
     AttentionMetadata,
+    PrefillGroup,
     paged_prefill_attention,
-    per_sequence_groups,
     plan_prefill_groups,
 )
 from graphguard.kernels.reference import decode_attention as paged_decode_attention
 from graphguard.kernels.reference import write_kv
+
+
+def per_sequence_groups(
+    query_lens: list[int], seq_lens: list[int], device: torch.device | str
+) -> tuple[PrefillGroup, ...]:
+    """A plan with every sequence in a group of its own: one attention call per sequence and
+    layer (the reference the grouped plan is measured and tested against)."""
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return tuple(
+        PrefillGroup(1, q, starts[i], starts[i + 1])
+        if q == s
+        else PrefillGroup(1, q, starts[i], starts[i + 1], i, s)
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
+    )
+
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 16
 SCALE = HEAD_DIM**-0.5

@@ -67,7 +67,7 @@ def test_auto_backend_on_cpu_reports_no_cuda(embedded_model):
     engine = make_engine(embedded_model)
     try:
         assert engine.graphs is None
-        assert engine.graphs_disabled_reason == GraphCapability.NO_CUDA.value
+        assert engine.graphs_off_reason == GraphCapability.NO_CUDA.value
     finally:
         engine.shutdown()
 
@@ -75,7 +75,7 @@ def test_auto_backend_on_cpu_reports_no_cuda(embedded_model):
 def test_enforce_eager_reports_its_reason(embedded_model):
     engine = make_engine(embedded_model, enforce_eager=True, graph_backend="sim")
     try:
-        assert engine.graphs is None and engine.graphs_disabled_reason == "enforce_eager"
+        assert engine.graphs is None and engine.graphs_off_reason == "enforce_eager"
     finally:
         engine.shutdown()
 
@@ -84,7 +84,7 @@ def test_kill_switch_at_start_keeps_graphs_off(embedded_model, monkeypatch):
     monkeypatch.setenv("GRAPHGUARD_DISABLE", "1")
     engine = make_engine(embedded_model, graph_backend="sim")
     try:
-        assert engine.graphs is None and engine.graphs_disabled_reason == "kill_switch"
+        assert engine.graphs is None and engine.graphs_off_reason == "kill_switch"
     finally:
         engine.shutdown()
 
