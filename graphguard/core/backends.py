@@ -231,7 +231,8 @@ class CudaBackend:
 
     def current_stream(self) -> Any:
         # NOTE: the raw (id, device, type) triple, not a Stream object: building one costs
-        # about 10 us of host time on an H200 host, and only a retire needs it (record()).
+        # host time on every replay (docs/benchmarks.md, "Design notes"), and only a retire
+        # needs it (record()).
         return torch._C._cuda_getCurrentStream(self._index)
 
     def record(self, event: Any, stream: Any) -> None:

@@ -7,8 +7,8 @@ K/V live in blocks of ``block_size`` tokens; a sequence's blocks are listed in i
 ``block_tables``. Token ``t`` of a sequence lives at slot ``block * block_size + t % block_size``
 with ``block = block_tables[seq, t // block_size]``.
 
-A prefill of many short prompts would pay one attention call per sequence per layer (on an
-H200, 16 ten-token prompts spent 150 of a 160 ms step there), so the model runner plans
+A prefill of many short prompts would pay one attention call per sequence per layer (most of
+such a step's time on a GPU: docs/benchmarks.md, "Design notes"), so the model runner plans
 *prefill groups* once per step: short sequences of similar length padded to a common length
 and attended in one masked call. A group's padded attention area is at most ``MAX_PAD_RATIO``
 times its real area (or under ``SMALL_GROUP_AREA``, where padding costs nothing that matters)
@@ -34,9 +34,9 @@ MAX_PAD_RATIO = 1.5
 SMALL_GROUP_AREA = 16384
 MAX_GROUP_AREA = 1 << 20
 MAX_GROUPED_LEN = 256  # longer sequences are attended alone
-# NOTE: not cuDNN's attention: on an H200 its first call of each new shape of a masked group
-# took 70 ms (1.2 s for the process's first), and group shapes change with every wave of
-# prompts, so one prefill step of each server took 1.0-1.6 s and others 60-230 ms.
+# NOTE: not cuDNN's attention: its first call of each new shape of a masked group is slow
+# (tens of ms; over a second for the process's first), and group shapes change with every
+# wave of prompts (docs/benchmarks.md, "Design notes").
 PREFILL_SDPA_BACKENDS = [
     SDPBackend.FLASH_ATTENTION,
     SDPBackend.EFFICIENT_ATTENTION,
@@ -234,8 +234,8 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) ->
 
     NOTE: the K/V heads are repeated up to the query heads here rather than by `enable_gqa`:
     the memory-efficient kernel takes a mask but not grouped heads, so with `enable_gqa` a
-    masked call fell to the math backend (0.63 ms a call against 0.08 on an H200, once per
-    group and layer)."""
+    masked call fell to the math backend, several times slower, once per group and layer
+    (docs/benchmarks.md, "Design notes")."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)

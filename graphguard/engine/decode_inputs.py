@@ -45,7 +45,8 @@ class DecodeInputs:
         NOTE: each view starts on a 16-byte boundary, whatever the batch. Triton compiles a
         kernel again for a pointer that is not 16-byte aligned: packed end to end, an odd
         batch's views were not, and an eager step of 7 rows compiled the decode attention
-        anew (360 ms on an H200) after a warm-up whose inputs were aligned."""
+        anew, hundreds of ms inside a serving load (docs/benchmarks.md, "Design notes"), after
+        a warm-up whose inputs were aligned."""
         num_rows, width = len(ids), len(tables[0])
         sizes = (8 * num_rows, 8 * num_rows, 8 * num_rows, 4 * num_rows * width, 4 * num_rows)
         starts = []

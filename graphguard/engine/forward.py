@@ -101,7 +101,7 @@ def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: in
 
     NOTE: the whole prefill is then one kernel sequence whose shapes depend only on (tokens,
     table width): eagerly about as many launches as a decode step (grouped SDPA launched 8-12
-    per group and layer, 40-65 ms for a wave of short prompts on an H200), and capturable as
+    per group and layer), and capturable as
     one graph (graphguard/engine/prefill_graphs.py). Each row reads its whole context, so rows
     are kept to prefills of short sequences: at most ROW_PREFILL_TOKENS tokens and the kernel
     set's `row_prefill_area` (tokens x longest context; 0 where the set's decode attention
@@ -158,9 +158,9 @@ class EagerForward:
         NOTE: Triton compiles a kernel again for each class of its integer arguments (1, a
         multiple of 16, any other), so the decodes take batches of 1, 2 and 16 rows: an eager
         step of 11 rows or a graph of 16 then finds its kernels compiled. Where prefills run
-        as rows, one of each token bucket runs too: on an H200 the first prefill of 128 rows
-        took 52 ms of a server's first step against 34 later (the GEMMs' first calls at that
-        size), so the first requests paid for it."""
+        as rows, one of each token bucket runs too: the first prefill of 128 rows took half as
+        long again as later ones (the GEMMs' first calls at that size), and without it the
+        first requests paid for that (docs/benchmarks.md, "Design notes")."""
         device = self.model.embed_tokens.weight.device
         for rows in WARM_UP_ROWS:
             for width in (MIN_WIDTH_BLOCKS, 4 * MIN_WIDTH_BLOCKS):
