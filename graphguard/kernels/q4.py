@@ -82,8 +82,7 @@ def q4_matmul(x: Tensor, weight: Q4Weight) -> Tensor:
     """``x [M, K] @ W.T`` for a packed weight W ``[N, K]``, in bfloat16 (x is cast to it)."""
     if x.dim() != 2:
         return q4_matmul(x.reshape(-1, weight.shape[1]), weight).view(*x.shape[:-1], -1)
-    # NOTE: torch's binding, not torch.ops.aten's packet: 1 us less a call, 120 calls a token
-    return torch._weight_int4pack_mm_for_cpu(_bf16(x), weight.packed, GROUP, weight.scale_zero)
+    return _mm(_bf16(x), weight)
 
 
 class Q4Kernels(TorchKernels):
@@ -289,6 +288,7 @@ class DecodePlan:
 
 def _mm(x: Tensor, weight: Q4Weight) -> Tensor:
     """bfloat16 rows ``[M, K]`` times a packed weight."""
+    # NOTE: torch's binding, not torch.ops.aten's packet: 1 us less a call, 120 calls a token
     return torch._weight_int4pack_mm_for_cpu(x, weight.packed, GROUP, weight.scale_zero)
 
 
