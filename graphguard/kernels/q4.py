@@ -128,6 +128,7 @@ class Q4Kernels(TorchKernels):
         self._head = None if head is None else RescoredHead.pack(head)
         layers = getattr(model, "layers", None)
         self._plan = self._decode_plan(layers) if isinstance(layers, nn.ModuleList) else None
+        _drop_dense(model, [weight for weight, _ in self._packed.values()])
 
     @property
     def num_packed(self) -> int:
@@ -337,6 +338,19 @@ class RescoredHead:
 def _bf16(x: Tensor) -> Tensor:
     """x in bfloat16 (most already are: the GEMMs' outputs and the norms')."""
     return x if x.dtype is torch.bfloat16 else x.to(torch.bfloat16)
+
+
+def _drop_dense(model: nn.Module, packed: list[Tensor]) -> None:
+    """Free the float32 copies of the packed weights (and the linears' rows that are views of
+    them): nothing reads them once packed (weights do not reload under this set), and they
+    are most of a small model's memory. Each keeps its identity, the packs' key, with no
+    elements."""
+    storages = {weight.untyped_storage().data_ptr() for weight in packed}
+    views = [
+        param for param in model.parameters() if param.untyped_storage().data_ptr() in storages
+    ]
+    for tensor in (*packed, *views):
+        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _head_weight(model: nn.Module) -> Tensor | None:

@@ -52,15 +52,22 @@ def test_weights_that_are_not_4bit_blocks_are_refused() -> None:
     assert pack_q4(q4_1_weight(64, 96)[:, :80]) is None  # not in blocks of 32
 
 
-def test_prepare_packs_the_4bit_weights_and_keeps_the_model_float32() -> None:
+def test_prepare_packs_the_4bit_weights_and_frees_their_float32_copies() -> None:
     loaded = load_model(None, dtype="float32", device="cpu", progress=False)
     kernels = Q4Kernels()
     kernels.prepare(loaded.model)
     # 30 layers x (q/k/v, o, gate/up, down): the embedded model's Q4_1 weights, all of them
     assert kernels.num_packed == 4 * loaded.config.num_layers
+    layer = loaded.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    for dense in (attn.qkv_weight, attn.q_proj.weight, attn.o_proj.weight, mlp.down_proj.weight):
+        assert dense.numel() == 0  # packed, then freed
+    # the rest stays float32: norms, and the embedding the head is rescored from
     assert {p.dtype for p in loaded.model.parameters()} == {torch.float32}
+    assert loaded.model.embed_tokens.weight.shape == (49152, 576)
+    bf16 = load_model(None, dtype="bfloat16", device="cpu", progress=False)
     with pytest.raises(ValueError, match="float32"):
-        Q4Kernels().prepare(loaded.model.to(torch.bfloat16))  # its levels are gone
+        Q4Kernels().prepare(bf16.model)  # its levels are gone
 
 
 def test_the_rescored_head_is_exact_on_its_candidates_and_batch_invariant() -> None:
