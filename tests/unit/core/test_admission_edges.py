@@ -11,6 +11,12 @@ from tests.unit.core.conftest import FakeClock
 KEY = GraphKey(("k",))
 
 
+def record_capture(policy: AdmissionPolicy, key: GraphKey, seconds: float, size: int) -> None:
+    """A whole capture of `seconds`, admitted at `size` bytes (as a runner records one)."""
+    policy.record_work(seconds)
+    policy.record_admitted(key, size)
+
+
 @pytest.mark.parametrize(
     ("setting", "value"),
     [
@@ -45,8 +51,8 @@ def test_the_edges_of_the_valid_ranges_are_accepted(settings):
 
 def test_capture_seconds_add_up_over_captures():
     policy = AdmissionPolicy(AdmissionConfig(), FakeClock())
-    policy.record_capture(GraphKey(("a",)), 1.5, 0)
-    policy.record_capture(GraphKey(("b",)), 2.0, 0)
+    record_capture(policy, GraphKey(("a",)), 1.5, 0)
+    record_capture(policy, GraphKey(("b",)), 2.0, 0)
     assert policy.counters.capture_seconds == 3.5
 
 
@@ -54,7 +60,7 @@ def test_size_hints_keep_the_newest_keys_up_to_their_cap():
     policy = AdmissionPolicy(AdmissionConfig(), FakeClock())
     keys = [GraphKey((n,)) for n in range(MAX_TRACKED_KEYS + 1)]
     for key in keys:
-        policy.record_capture(key, 0.0, 1)
+        record_capture(policy, key, 0.0, 1)
     assert len(policy.size_hints) == MAX_TRACKED_KEYS
     assert keys[0] not in policy.size_hints and keys[1] in policy.size_hints
 
@@ -63,9 +69,9 @@ def test_a_recaptured_keys_size_hint_counts_as_the_newest():
     policy = AdmissionPolicy(AdmissionConfig(), FakeClock())
     keys = [GraphKey((n,)) for n in range(MAX_TRACKED_KEYS + 1)]
     for key in keys[:-1]:
-        policy.record_capture(key, 0.0, 1)
-    policy.record_capture(keys[0], 0.0, 2)  # the oldest, captured again
-    policy.record_capture(keys[-1], 0.0, 1)  # one key too many: the oldest hint goes
+        record_capture(policy, key, 0.0, 1)
+    record_capture(policy, keys[0], 0.0, 2)  # the oldest, captured again
+    record_capture(policy, keys[-1], 0.0, 1)  # one key too many: the oldest hint goes
     assert policy.size_hints[keys[0]] == 2 and keys[1] not in policy.size_hints
 
 
@@ -98,7 +104,7 @@ def test_each_thrash_backoff_is_counted():
     policy = AdmissionPolicy(AdmissionConfig(max_recaptures=1), FakeClock())
     for _ in range(2):
         policy.record_eviction(KEY)
-        policy.record_capture(KEY, 0.0, 1)
+        record_capture(policy, KEY, 0.0, 1)
     assert policy.counters.thrash_backoffs == 2
 
 
@@ -123,7 +129,7 @@ def test_a_capture_exactly_one_window_old_still_counts_against_the_budget(clock)
     config = AdmissionConfig(min_hits=1, capture_window_s=60.0, max_capture_fraction=0.05)
     policy = AdmissionPolicy(config, clock)
     policy.record_call(KEY)
-    policy.record_capture(GraphKey(("other",)), 3.0, 0)  # the window's whole 3 s
+    record_capture(policy, GraphKey(("other",)), 3.0, 0)  # the window's whole 3 s
     clock.advance(60.0)
     assert policy.blocked(KEY) is FallbackReason.ADMISSION_DEFERRED
     clock.advance(0.5)
@@ -135,5 +141,5 @@ def test_an_eviction_exactly_one_thrash_window_old_still_counts(clock):
     policy = AdmissionPolicy(config, clock)
     policy.record_eviction(KEY)
     clock.advance(60.0)
-    policy.record_capture(KEY, 0.0, 1)
+    record_capture(policy, KEY, 0.0, 1)
     assert policy.counters.thrash_backoffs == 1
