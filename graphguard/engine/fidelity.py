@@ -18,6 +18,8 @@ time, as generation runs them); `compare` the figures between two paths.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
 
@@ -77,33 +79,24 @@ def score_decode(engine: LLMEngine, text: str, prompt_tokens: int, steps: int) -
     ids = engine.tokenizer.encode(text, add_special_tokens=False)[: prompt_tokens + steps + 1]
     if len(ids) < prompt_tokens + steps + 1:
         raise ValueError(f"the text has fewer than {prompt_tokens + steps + 1} tokens")
-    kv, device = engine.kv, engine.device
-    blocks = kv.allocate(-(-len(ids) // kv.block_size))
-    try:
-        table = torch.tensor([blocks], dtype=torch.int32, device=device)
-        tokens = torch.tensor(ids, dtype=torch.int64, device=device)
-        positions = torch.arange(len(ids), dtype=torch.int64, device=device)
-        slots = table[0, positions // kv.block_size].long() * kv.block_size
-        slots += positions % kv.block_size
-        with torch.no_grad():
-            eager_prefill(
-                engine.model, kv, tokens[:prompt_tokens], positions[:prompt_tokens],
-                _prefill_meta(table, slots[:prompt_tokens]), None,
+    tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
+    with _fresh_sequence(engine, len(ids)) as (table, positions, slots), torch.no_grad():
+        eager_prefill(
+            engine.model, engine.kv, tokens[:prompt_tokens], positions[:prompt_tokens],
+            _prefill_meta(table, slots[:prompt_tokens]), None,
+        )  # fmt: skip
+        rows = [
+            engine.forward.decode(
+                tokens[t : t + 1],
+                positions[t : t + 1],
+                table,
+                torch.tensor([t + 1], dtype=torch.int32, device=engine.device),
+                slots[t : t + 1],
             )  # fmt: skip
-            rows = [
-                engine.forward.decode(
-                    tokens[t : t + 1],
-                    positions[t : t + 1],
-                    table,
-                    torch.tensor([t + 1], dtype=torch.int32, device=device),
-                    slots[t : t + 1],
-                )  # fmt: skip
-                for t in range(prompt_tokens, prompt_tokens + steps)
-            ]
-        logprobs = F.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
-        return Scored(logprobs, tokens[prompt_tokens + 1 : prompt_tokens + steps + 1].cpu())
-    finally:
-        kv.free(blocks)
+            for t in range(prompt_tokens, prompt_tokens + steps)
+        ]
+    logprobs = F.log_softmax(torch.cat(rows).float(), dim=-1).cpu()
+    return Scored(logprobs, tokens[prompt_tokens + 1 : prompt_tokens + steps + 1].cpu())
 
 
 def compare(reference: Scored, path: Scored) -> Fidelity:
@@ -125,20 +118,25 @@ def compare(reference: Scored, path: Scored) -> Fidelity:
 
 def _score_window(engine: LLMEngine, ids: list[int]) -> tuple[Tensor, Tensor]:
     """Log-probabilities of positions 0..n-2 of one fresh sequence, and tokens 1..n-1."""
+    tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
+    with _fresh_sequence(engine, len(ids)) as (table, positions, slots), torch.no_grad():
+        meta = _prefill_meta(table, slots)
+        hidden = eager_prefill(engine.model, engine.kv, tokens, positions, meta, None)
+        logits = engine.model.compute_logits(hidden[:-1])
+    return F.log_softmax(logits.float(), dim=-1).cpu(), tokens[1:].cpu()
+
+
+@contextmanager
+def _fresh_sequence(engine: LLMEngine, num_tokens: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """KV blocks for one sequence of `num_tokens`, freed afterwards: its block table
+    ``[1, blocks]``, positions and slots ``[num_tokens]``."""
     kv, device = engine.kv, engine.device
-    num_tokens = len(ids)
     blocks = kv.allocate(-(-num_tokens // kv.block_size))
     try:
         table = torch.tensor([blocks], dtype=torch.int32, device=device)
         positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
         slots = table[0, positions // kv.block_size].long() * kv.block_size
-        slots += positions % kv.block_size
-        tokens = torch.tensor(ids, dtype=torch.int64, device=device)
-        meta = _prefill_meta(table, slots)
-        with torch.no_grad():
-            hidden = eager_prefill(engine.model, kv, tokens, positions, meta, None)
-            logits = engine.model.compute_logits(hidden[:-1])
-        return F.log_softmax(logits.float(), dim=-1).cpu(), tokens[1:].cpu()
+        yield table, positions, slots + positions % kv.block_size
     finally:
         kv.free(blocks)
 

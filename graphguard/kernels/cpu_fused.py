@@ -48,21 +48,28 @@ def _f32_to_bf16(values, bits):
 
 
 @_jit
+def _rms_norm_in_place(x, weight, eps):
+    """x = rms_norm(x) * weight for one float32 row (a hidden row, or one head's for Qwen3's
+    q/k norm)."""
+    total = np.float32(0.0)
+    for i in range(x.shape[0]):
+        total += x[i] * x[i]
+    inv = np.float32(1.0) / np.sqrt(total / np.float32(x.shape[0]) + np.float32(eps))
+    for i in range(x.shape[0]):
+        x[i] = weight[i] * (x[i] * inv)
+
+
+@_jit
 def _add_rms_norm_rows(x_bits, residual, weight, eps, h_out, normed_bits):
     """h = bf16(x) + residual; normed = bf16(rms_norm(h) * weight), per row."""
     rows, dim = residual.shape
-    row = np.empty(dim, np.float32)
     normed = np.empty(dim, np.float32)
     for r in range(rows):
-        _bf16_to_f32(x_bits[r], row)
-        total = np.float32(0.0)
+        _bf16_to_f32(x_bits[r], normed)
         for i in range(dim):
-            value = row[i] + residual[r, i]
-            h_out[r, i] = value
-            total += value * value
-        inv = np.float32(1.0) / np.sqrt(total / np.float32(dim) + np.float32(eps))
-        for i in range(dim):
-            normed[i] = weight[i] * (h_out[r, i] * inv)
+            h_out[r, i] = normed[i] + residual[r, i]
+            normed[i] = h_out[r, i]
+        _rms_norm_in_place(normed, weight, eps)
         _f32_to_bf16(normed, normed_bits[r])
 
 
@@ -72,12 +79,8 @@ def _rms_norm_rows(x, weight, eps, normed_bits):
     rows, dim = x.shape
     normed = np.empty(dim, np.float32)
     for r in range(rows):
-        total = np.float32(0.0)
-        for i in range(dim):
-            total += x[r, i] * x[r, i]
-        inv = np.float32(1.0) / np.sqrt(total / np.float32(dim) + np.float32(eps))
-        for i in range(dim):
-            normed[i] = weight[i] * (x[r, i] * inv)
+        normed[:] = x[r]
+        _rms_norm_in_place(normed, weight, eps)
         _f32_to_bf16(normed, normed_bits[r])
 
 
@@ -94,17 +97,6 @@ def _silu_mul_rows(gate_up_bits, out_bits):
             gate = both[i]
             out[i] = gate / (np.float32(1.0) + np.exp(-gate)) * both[inner + i]
         _f32_to_bf16(out, out_bits[r])
-
-
-@_jit
-def _head_norm(x, weight, eps):
-    """In place: rms_norm of one head's row (Qwen3's q/k norm)."""
-    total = np.float32(0.0)
-    for i in range(x.shape[0]):
-        total += x[i] * x[i]
-    inv = np.float32(1.0) / np.sqrt(total / np.float32(x.shape[0]) + np.float32(eps))
-    for i in range(x.shape[0]):
-        x[i] = weight[i] * (x[i] * inv)
 
 
 @_jit
@@ -126,7 +118,7 @@ def _rope_write_rows(
             for i in range(head_dim):
                 head[i] = row[h * head_dim + i]
             if use_qk_norm:
-                _head_norm(head, q_weight if h < num_heads else k_weight, eps)
+                _rms_norm_in_place(head, q_weight if h < num_heads else k_weight, eps)
             for i in range(head_dim):
                 partner = -head[i + half] if i < half else head[i - half]
                 value = head[i] * cos[r, i] + partner * sin[r, i]
