@@ -66,7 +66,7 @@ def run_mode(mode: str, step: DecoderStep, calls: list[tuple], budget: int) -> d
         max_bytes=budget,
         admission=admission,
         verify="off" if mode == "naive" else "exact",
-        copy_outputs=False,
+        capture=gg.CaptureConfig(copy_outputs=False),
     )
     lat = latencies_ms([partial(runner, *a) for a in calls])
     stats = runner.stats()

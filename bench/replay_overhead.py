@@ -116,7 +116,9 @@ def measure_small(blocks: int, iters: int) -> dict:
     step = small_mlp(blocks, device)
     x = torch.randn(1, 1024, device=device, dtype=torch.bfloat16)
     raw, graph = raw_single(step, x)
-    runner = gg.GraphRunner(step, copy_outputs=False, admission=gg.AdmissionConfig(min_hits=1))
+    runner = gg.GraphRunner(
+        step, admission=gg.AdmissionConfig(min_hits=1), capture=gg.CaptureConfig(copy_outputs=False)
+    )
     runner(x)  # capture + parity check
     raws, ours = [], []
     for _ in range(3):  # interleaved, so drift of the host hits both alike
@@ -144,8 +146,8 @@ def measure(shape: str, iters: int) -> dict:
     runner = gg.GraphRunner(
         step,
         buckets=gg.Buckets(batch=BATCHES),
-        copy_outputs=False,
         admission=gg.AdmissionConfig(min_hits=1),
+        capture=gg.CaptureConfig(copy_outputs=False),
     )
     rows = [measure_batch(step, runner, batch, iters) for batch in BATCHES]
     stats = runner.stats()

@@ -86,8 +86,7 @@ class Bench:
             backend=self.backend,
             admission=admission,
             verify=verify,
-            copy_outputs=False,
-            retain=(self.model, self.kv),
+            capture=gg.CaptureConfig(copy_outputs=False, retain=(self.model, self.kv)),
         )
 
     def request(self, num_tokens: int, seed: int, with_image: bool) -> dict[str, Any]:

@@ -10,11 +10,14 @@ from typing import Any
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import CaptureError, CudaBackend
 from graphguard.core.entry import GraphEntry, OwnerCycleError, RetiredEntryError
+from graphguard.core.graph_runner import GraphRunner
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
 from graphguard.core.reasons import CaptureOutcome, EvictionCause, FallbackReason
-from graphguard.core.runner import KILL_SWITCH_ENV, GraphRunner, ParityError
 from graphguard.core.sim import SimBackend
+from graphguard.core.switch import KILL_SWITCH_ENV
+from graphguard.core.verify import ParityError, VerifyConfig
 from graphguard.version import __version__
 
 # name -> module of the lazily imported offline API
@@ -36,6 +39,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AdmissionConfig",
     "Buckets",
+    "CaptureConfig",
     "CaptureError",
     "CaptureOutcome",
     "CompletionOutput",
@@ -53,5 +57,6 @@ __all__ = [
     "RetiredEntryError",
     "SamplingParams",
     "SimBackend",
+    "VerifyConfig",
     "__version__",
 ]

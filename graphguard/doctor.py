@@ -8,7 +8,7 @@ import os
 import torch
 
 import graphguard as gg
-from graphguard.core.runner import KILL_SWITCH_ENV, kill_switch_on
+from graphguard.core.switch import KILL_SWITCH_ENV, kill_switch_on
 from graphguard.kernels.isa import cpu_features
 
 

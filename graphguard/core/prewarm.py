@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from graphguard.core.base import WarmupReport
+from graphguard.core.capture import WarmupReport
 from graphguard.core.export import (
     Exportable,
     ManifestError,

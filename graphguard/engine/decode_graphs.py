@@ -21,15 +21,19 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
+from graphguard.core.capture import WarmupReport
 from graphguard.core.export import export_manifest
+from graphguard.core.graph_runner import GraphRunner
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
 from graphguard.core.prewarm import prewarm
 from graphguard.core.reasons import EvictionCause
-from graphguard.core.runner import GraphRunner, WarmupReport
+from graphguard.core.verify import VerifyConfig
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.forward import DECODE_PAD, EagerForward, padding_decode_batch
 from graphguard.engine.kv import MIN_WIDTH_BLOCKS, width_bucket
+from graphguard.engine.parallel.agreement import RankRunner
 from graphguard.engine.parallel.ranks import RankRole
 
 log = logging.getLogger("graphguard")
@@ -60,30 +64,33 @@ class DecodeGraphs:
         # What a manifest must match to prewarm these graphs: model, shapes, dtype, KV layout.
         self.model_identity = model_identity
         self.buckets = Buckets(batch=buckets, pad_value=DECODE_PAD)
-        self.runner = GraphRunner(
-            forward.decode,
+        options: dict[str, Any] = dict(
             buckets=self.buckets,
             max_bytes=max_bytes,
-            verify=verify,
-            reverify_every=reverify_every,
-            backend=backend,
-            device=device if backend != "sim" else None,
+            verify=VerifyConfig(verify, reverify_every=reverify_every),
             admission=admission,
-            retain=(forward.kv, forward.model),
+            capture=CaptureConfig(
+                # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
+                # values): it reads and writes only the dummy block, never a live sequence's KV.
+                background=background,
+                retain=(forward.kv, forward.model),
+                device=device if backend != "sim" else None,
+                # NOTE: the logits are views of the graph's output, valid until its next
+                # replay: the step samples from them before it returns (no [B, vocab] copy).
+                copy_outputs=False,
+                # NOTE: a batch with no graph of its own may ride a larger admitted one; its
+                # extra rows are padding, as in its own bucket
+                max_pad_factor=max_pad_factor,
+            ),
+            backend=backend,
             metrics=metrics,
             name="decode",
-            # NOTE: the logits are views of the graph's output, valid until its next replay:
-            # the step samples from them before it returns (no copy of [B, vocab] per step).
-            copy_outputs=False,
-            # NOTE: a capture between steps runs on all-padding batches (the buckets' pad
-            # values): it reads and writes only the dummy block, never a live sequence's KV.
-            background=background,
-            # NOTE: a batch with no graph of its own may ride a larger admitted one; its extra
-            # rows are padding, as in its own bucket
-            max_pad_factor=max_pad_factor,
-            # a tensor-parallel rank's: rank 0 decides, every rank follows and agrees
-            agreement=role.agreement if role is not None else None,
-            orders=role.orders if role is not None else None,
+        )
+        # a tensor-parallel rank's runner: rank 0 decides, every rank follows and agrees
+        self.runner = (
+            GraphRunner(forward.decode, **options)
+            if role is None
+            else RankRunner(forward.decode, role.orders, role.agreement, **options)
         )
 
     def __call__(

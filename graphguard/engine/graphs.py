@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from graphguard.core.backends import Backend, CudaBackend
-from graphguard.core.base import kill_switch_on
 from graphguard.core.keys import pad_ladder
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.switch import kill_switch_on
 from graphguard.engine.capture_pacing import CapturePacer
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.decode_graphs import DecodeGraphs

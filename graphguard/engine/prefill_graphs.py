@@ -26,11 +26,12 @@ from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
-from graphguard.core.base import WarmupReport
+from graphguard.core.capture import WarmupReport
+from graphguard.core.graph_runner import GraphRunner
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
 from graphguard.core.reasons import EvictionCause
-from graphguard.core.runner import GraphRunner
 from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.forward import (
     DECODE_PAD,
@@ -80,31 +81,35 @@ class PrefillGraphs:
                 buckets=Buckets(batch=ROW_BUCKETS, pad_value=DECODE_PAD),
                 max_bytes=max_bytes,
                 verify=verify,
-                backend=backend,
-                device=device if backend != "sim" else None,
                 admission=admission,
-                retain=(forward.kv, forward.model),
+                capture=CaptureConfig(
+                    background=background,
+                    retain=(forward.kv, forward.model),
+                    device=device if backend != "sim" else None,
+                    # NOTE: the hidden states are views of the graph's output, valid until its
+                    # next replay: the step takes its logits from them before it returns.
+                    copy_outputs=False,
+                    # a prefill with no graph of its own may ride a larger admitted bucket
+                    max_pad_factor=max_pad_factor,
+                ),
+                backend=backend,
                 metrics=metrics,
                 name="prefill_rows",
-                # NOTE: the hidden states are views of the graph's output, valid until its
-                # next replay: the step takes its logits from them before it returns.
-                copy_outputs=False,
-                background=background,
-                # a prefill with no graph of its own may ride a larger admitted token bucket
-                max_pad_factor=max_pad_factor,
             )
         self.runner = SegmentedRunner(
             prefill_stages(forward.model),
             max_bytes=max_bytes,
             verify=verify,
-            backend=backend,
-            device=device if backend != "sim" else None,
             admission=admission,
-            retain=(forward.kv, forward.model),
+            capture=CaptureConfig(
+                background=background,
+                examples=self.dummy_prefill,
+                retain=(forward.kv, forward.model),
+                device=device if backend != "sim" else None,
+            ),
+            backend=backend,
             metrics=metrics,
             name="prefill",
-            background=background,
-            examples=self.dummy_prefill,
         )
 
     def __call__(

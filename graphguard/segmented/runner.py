@@ -1,4 +1,5 @@
-"""SegmentedRunner: a pipeline whose capturable segments replay from graphs, per shape key.
+"""SegmentedRunner: a pipeline whose capturable segments replay from graphs, per shape key, and
+SegmentGroups, its kind.
 
 A call's key is the spec of its input carry. The first time a key earns a capture (the
 AdmissionPolicy decides, as for GraphRunner) every segment is captured into one SegmentGroup
@@ -6,7 +7,7 @@ while the eager stages run between them; the group's output is compared with the
 pipeline run eagerly (exact by default) before the group is admitted, and the group is charged,
 kept and evicted as a unit under the byte budget (GraphCache). Every call either replays a
 group or runs eagerly with exactly one FallbackReason; GRAPHGUARD_DISABLE=1 beats everything.
-That call flow is RunnerBase's; this module implements its hooks for groups.
+That call flow is the Runner's (graphguard.core.runner); this module is the kind for groups.
 
 Lock order: an engine's lifecycle lock, then this runner's lock, then its cache's lock.
 """
@@ -16,19 +17,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
 
-from graphguard.core.admission import AdmissionConfig, Clock
+from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend, CaptureError
-from graphguard.core.background import CaptureUnits
-from graphguard.core.base import RunnerBase
-from graphguard.core.capture_flow import CaptureMode, Verified
+from graphguard.core.capture import CaptureMode, CaptureUnits, Verdict
 from graphguard.core.inputs import CallPlan
 from graphguard.core.keys import GraphKey
+from graphguard.core.kind import Replayed
 from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
 from graphguard.core.reasons import CaptureOutcome, FallbackReason
+from graphguard.core.runner import Clock, Runner
+from graphguard.core.switch import resolve_backend
 from graphguard.core.verify import VerifyConfig, parity_error
 from graphguard.segmented.group import (
     GroupInfo,
@@ -38,86 +42,36 @@ from graphguard.segmented.group import (
     carry_key,
     replay_group,
 )
-from graphguard.segmented.pipeline import Carry, Segment, Stage, run_eager, split_segments
+from graphguard.segmented.pipeline import Carry, Piece, Segment, Stage, run_eager, split_segments
 
 log = logging.getLogger("graphguard")
 
 Call = tuple[Carry, Any]  # one call: the input carry, and the context of the eager stages
 
 
-class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
-    """Runs `stages` with graphed segments and eager stages between them.
-
-    Args:
-        stages: the pipeline in order; consecutive capturable stages form one segment.
-        max_bytes: resident byte budget for all groups of this runner.
-        verify: "exact" (bitwise), "allclose" (with rtol and atol) or "off".
-        backend: "auto" (CUDA when present, else eager with no_cuda), "cuda", "sim" or a Backend.
-        admission: when a key earns a capture (AdmissionConfig), as for GraphRunner.
-        strict: re-raise capture failures and parity mismatches instead of falling back.
-        copy_outputs: return copies (True) or views of the last segment's static outputs,
-            valid until the next call (False).
-        retain: objects every segment graph keeps alive while it can replay.
-        metrics: a GraphMetrics to report into (shared across runners), or a private one.
-        clock: time source of every admission decision.
-        background: capture between calls (advance_capture), as for GraphRunner; needs
-            `examples`.
-        examples: `examples(key)` -> (input carry, context) of a key, for a capture between
-            calls: inputs whose eager stages write only state that no real call reads.
-    """
+class SegmentGroups:
+    """The kind of a SegmentedRunner: one group of segment graphs per key."""
 
     def __init__(
         self,
-        stages: Sequence[Stage],
-        *,
-        max_bytes: int = 1 << 30,
-        verify: str = "exact",
-        rtol: float | None = None,
-        atol: float | None = None,
-        backend: str | Backend = "auto",
-        device: Any = None,
-        admission: AdmissionConfig | None = None,
-        strict: bool = False,
-        copy_outputs: bool = True,
-        retain: Sequence[Any] = (),
-        metrics: GraphMetrics | None = None,
-        clock: Clock = time.monotonic,
-        name: str = "segmented",
-        enabled: bool = True,
-        background: bool = False,
-        examples: Callable[[GraphKey], Call] | None = None,
+        pieces: Sequence[Piece],
+        backend: Backend | None,
+        verify: VerifyConfig,
+        options: CaptureConfig,
+        max_bytes: int,
+        name: str,
     ):
-        if background and examples is None:
-            raise ValueError("background capture runs on example inputs: give examples(key)")
-        super().__init__(
-            name=name,
-            max_bytes=max_bytes,
-            verify=VerifyConfig(verify, rtol, atol),
-            backend=backend,
-            device=device,
-            admission=admission,
-            strict=strict,
-            copy_outputs=copy_outputs,
-            retain=retain,
-            metrics=metrics,
-            clock=clock,
-            enabled=enabled,
-            background=background,
-        )
-        self.examples = examples
-        self.pieces = split_segments(stages)
-        self.num_segments = sum(isinstance(p, Segment) for p in self.pieces)
+        self.pieces = pieces
+        self.backend = backend
+        self.verify = verify
+        # NOTE: the owners live here alone (what every new segment graph retains), so that once the
+        # caller lets go of them, the admitted graphs are what keeps them alive.
+        self.owners = list(options.retain)
+        self.options = replace(options, retain=())
+        self.max_bytes = max_bytes
+        self.name = name
 
-    # -- the call (RunnerBase._run is the flow; the hooks follow) ---------------------------
-    def __call__(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
-        """The pipeline's output carry for `inputs`; `context` goes to the eager stages only."""
-        return self._run((tuple(inputs), context))
-
-    def eager(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
-        """The whole pipeline without graphs (the parity reference)."""
-        return run_eager(self.pieces, tuple(inputs), context)
-
-    def _plan(self, call: Call) -> CallPlan | FallbackReason:
+    def plan(self, call: Call) -> CallPlan | FallbackReason:
         """The carry's exact specs are the key (no buckets: rows are not padded)."""
         carry, _ = call
         assert self.backend is not None
@@ -128,78 +82,131 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
                 return FallbackReason.DEVICE_MISMATCH
         return CallPlan(carry_key(carry), None)
 
-    def _eager(self, call: Call) -> Carry:
+    def eager(self, call: Call) -> Carry:
         return run_eager(self.pieces, *call)
 
-    def _example(self, key: GraphKey) -> tuple[Call, CallPlan]:
-        assert self.examples is not None  # checked when built
-        carry, context = self.examples(key)
+    def example(self, key: GraphKey) -> tuple[Call, CallPlan]:
+        assert self.options.examples is not None  # checked when built
+        carry, context = self.options.examples(key)
         if carry_key(tuple(carry)) != key:
             raise ValueError(f"example inputs of {key.describe()} do not map to that key")
         return (tuple(carry), context), CallPlan(key, None)
 
-    def _replay(
-        self, group: SegmentGroup, call: Call, plan: CallPlan
-    ) -> tuple[Carry | None, FallbackReason | None]:
-        out, is_complete = replay_group(group, self.pieces, *call)
-        if not is_complete:
-            # An eager stage changed a shape the key did not predict; the tail ran eagerly.
-            return out, FallbackReason.UNBUCKETED_SHAPE
-        group.replays += 1
-        self._counts.replay()
-        return self._finish(out), None
-
-    def _finish(self, carry: Carry) -> Carry:
-        # NOTE: copy even after an eager last stage: it may pass a segment's static output
-        # through, which the next replay would overwrite.
-        return tuple(t.clone() for t in carry) if self.copy_outputs else carry
-
-    def _new_candidate(self, key: GraphKey) -> SegmentGroup:
+    def new_candidate(self, key: GraphKey) -> SegmentGroup:
         assert self.backend is not None
         return SegmentGroup(key, self.backend, self.name)
 
-    def _capture_verified(
-        self, group: SegmentGroup, call: Call, plan: CallPlan
-    ) -> CaptureUnits[Verified]:
+    def capture(self, group: SegmentGroup, call: Call, plan: CallPlan) -> CaptureUnits:
         """Capture every segment (eager stages between), then compare with the whole pipeline
         run eagerly (one more unit); that eager run answers the call if the group is not
         admitted."""
         carry, context = call
         try:
             out = yield from capture_group(
-                group, self.pieces, carry, context, self._owners, self.max_bytes
+                group, self.pieces, carry, context, self.owners, self.max_bytes
             )
         except CaptureError as exc:
-            return None, None, self._reject(group, CaptureOutcome.FAILED, exc)
+            return Verdict.rejected(CaptureOutcome.FAILED, exc)
         except GroupOverBudget:
-            self.policy.size_hints[group.key] = group.resident_bytes
-            return None, None, self._reject(group, CaptureOutcome.OVER_BUDGET, None)
+            return Verdict.rejected(CaptureOutcome.OVER_BUDGET)
         if not self.verify.enabled:
-            return out, None, None
+            return Verdict(out)
         eager = run_eager(self.pieces, carry, context)
         error = parity_error(group.key, out, eager, self.verify)
         if error is not None:
-            return None, eager, self._reject(group, CaptureOutcome.PARITY_MISMATCH, error)
-        return out, eager, None
+            return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error, eager)
+        return Verdict(out, eager)
 
-    def _admitted(
+    def replay(self, group: SegmentGroup, call: Call, plan: CallPlan) -> Replayed:
+        out, is_complete = replay_group(group, self.pieces, *call)
+        if not is_complete:
+            # An eager stage changed a shape the key did not predict; the tail ran eagerly.
+            return Replayed(out, FallbackReason.UNBUCKETED_SHAPE)
+        group.replays += 1
+        return Replayed(self._finish(out))
+
+    def _finish(self, carry: Carry) -> Carry:
+        # NOTE: copy even after an eager last stage: it may pass a segment's static output
+        # through, which the next replay would overwrite.
+        return tuple(t.clone() for t in carry) if self.options.copy_outputs else carry
+
+    def admitted(
         self, group: SegmentGroup, out: Carry, plan: CallPlan, mode: CaptureMode
     ) -> Carry | None:
         group.mark_admitted(self.verify.mode if self.verify.enabled else "off")
         log.info(
             "graphguard capture group key=%s segments=%d bytes=%d ms=%.1f runner=%s",
-            group.key.describe(),
-            len(group.entries),
-            group.resident_bytes,
-            group.capture_ms,
+            group.key.describe(), len(group.entries), group.resident_bytes, group.capture_ms,
             self.name,
-        )
+        )  # fmt: skip
         if mode is not CaptureMode.ON_CALL:
             return None
         group.replays += 1  # the verified first replay serves this call
         return self._finish(out)
 
-    # -- introspection ---------------------------------------------------------------------
+    def cover(self, key: GraphKey, is_admitted: Callable[[GraphKey], bool]) -> GraphKey | None:
+        return None  # no buckets: a group serves its own carry's shapes only
+
+    def num_graphs(self, group: SegmentGroup) -> int:
+        return len(group.entries)
+
+
+class SegmentedRunner(Runner[SegmentGroup, Call]):
+    """Runs `stages` with graphed segments and eager stages between them.
+
+    Args:
+        stages: the pipeline in order; consecutive capturable stages form one segment.
+        max_bytes: resident byte budget for all groups of this runner.
+        verify: "exact" (bitwise), "off", or a VerifyConfig ("allclose" with rtol and atol).
+        admission: when a key earns a capture (AdmissionConfig), as for GraphRunner.
+        capture: as for GraphRunner (CaptureConfig); a capture between calls (`background`)
+            needs `examples(key)` -> (input carry, context): inputs whose eager stages write
+            only state that no real call reads. Padding to a larger bucket and host staging
+            do not apply.
+        backend: "auto" (CUDA when present, else eager with no_cuda), "cuda", "sim" or a Backend.
+        metrics: a GraphMetrics to report into (shared across runners), or a private one.
+        clock: time source of every admission decision.
+        name: the runner's name in logs, metrics and stats.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        *,
+        max_bytes: int = 1 << 30,
+        verify: str | VerifyConfig = "exact",
+        admission: AdmissionConfig | None = None,
+        capture: CaptureConfig | None = None,
+        backend: str | Backend = "auto",
+        metrics: GraphMetrics | None = None,
+        clock: Clock = time.monotonic,
+        name: str = "segmented",
+    ):
+        capture = capture or CaptureConfig()
+        if capture.background and capture.examples is None:
+            raise ValueError("background capture runs on example inputs: give examples(key)")
+        if capture.max_pad_factor != 1 or capture.stage_host_inputs:
+            raise ValueError("a SegmentedRunner neither pads to larger buckets nor stages inputs")
+        verify = verify if isinstance(verify, VerifyConfig) else VerifyConfig(verify)
+        resolved = resolve_backend(backend, capture.device)
+        pieces = split_segments(stages)
+        kind = SegmentGroups(pieces, resolved, verify, capture, max_bytes, name)
+        super().__init__(
+            kind, backend=resolved, max_bytes=max_bytes, admission=admission, capture=kind.options,
+            metrics=metrics, clock=clock, name=name,
+        )  # fmt: skip
+        self.kind: SegmentGroups = kind
+        self.pieces = pieces
+        self.num_segments = sum(isinstance(p, Segment) for p in pieces)
+
+    def __call__(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
+        """The pipeline's output carry for `inputs`; `context` goes to the eager stages only."""
+        return self.run((tuple(inputs), context))
+
+    def eager(self, inputs: Sequence[Tensor], context: Any = None) -> Carry:
+        """The whole pipeline without graphs (the parity reference)."""
+        return run_eager(self.pieces, tuple(inputs), context)
+
     def groups(self) -> list[SegmentGroup]:
         """The admitted groups, least recently used first."""
         return self._cache.entries()
@@ -211,13 +218,10 @@ class SegmentedRunner(RunnerBase[SegmentGroup, Call]):
         """A snapshot: counts, bytes, fallbacks by reason, admission counters."""
         with self._lock:
             groups = self.groups()
-            stats = self._base_stats()
+            stats = super().stats()
             stats.update(
                 num_segments=self.num_segments,
                 groups=len(groups),
                 graphs=sum(len(g.entries) for g in groups),
             )
             return stats
-
-    def _num_graphs(self) -> int:
-        return sum(len(g.entries) for g in self.groups())

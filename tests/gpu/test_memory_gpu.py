@@ -73,7 +73,10 @@ def test_a_capture_cancelled_after_its_warm_ups_gives_every_byte_back(mlp):
     step, inputs = mlp
     baseline = settled()
     runner = gg.GraphRunner(
-        step, buckets=gg.Buckets(batch=BUCKETS), admission=NAIVE, background=True
+        step,
+        buckets=gg.Buckets(batch=BUCKETS),
+        admission=NAIVE,
+        capture=gg.CaptureConfig(background=True),
     )
     x = inputs[8]
     assert torch.equal(runner(x), step(x))  # earns the key, answered eagerly

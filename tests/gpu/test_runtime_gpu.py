@@ -157,7 +157,9 @@ def test_retire_from_another_thread_waits_for_the_inflight_replay(device):
         torch.cuda._sleep(cycles)
         return x * 2
 
-    runner = gg.GraphRunner(slow, admission=EAGER_FIRST, stage_host_inputs=True, verify="off")
+    runner = gg.GraphRunner(
+        slow, admission=EAGER_FIRST, verify="off", capture=gg.CaptureConfig(stage_host_inputs=True)
+    )
     host = torch.arange(4.0)
     runner(host)  # capture (host input staged through a pinned buffer)
     (entry,) = runner._cache.entries()

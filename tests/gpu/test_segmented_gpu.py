@@ -18,6 +18,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from graphguard.core.admission import AdmissionConfig  # noqa: E402
 from graphguard.core.backends import CudaBackend  # noqa: E402
+from graphguard.core.options import CaptureConfig  # noqa: E402
 from graphguard.engine.attention import AttentionMetadata  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
 from graphguard.engine.forward import (  # noqa: E402
@@ -104,7 +105,7 @@ class Setup:
             max_bytes=max_bytes,
             backend=CudaBackend(self.device),
             admission=EAGER_FIRST,
-            retain=(self.model, self.kv),
+            capture=CaptureConfig(retain=(self.model, self.kv)),
         )
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from graphguard.segmented import Segment, SegmentedRunner, Stage, split_segments
 from graphguard.segmented.group import SegmentGroup
+from tests.runner_options import grouped
 from tests.unit.core.conftest import PerfCounter
 
 EAGER_FIRST = AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
@@ -58,7 +59,7 @@ def make(made):
     def build(stages=STAGES, **kwargs) -> SegmentedRunner:
         kwargs.setdefault("backend", SimBackend())
         kwargs.setdefault("admission", EAGER_FIRST)
-        runner = SegmentedRunner(stages, **kwargs)
+        runner = SegmentedRunner(stages, **grouped(kwargs))
         made.append(runner)
         return runner
 

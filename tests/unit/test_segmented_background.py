@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.options import CaptureConfig
 from graphguard.core.sim import SimBackend
 from graphguard.segmented import SegmentedRunner
 from tests.unit.test_segmented import STAGES, Ctx, assert_bitwise, x_of
@@ -31,7 +32,10 @@ def runner(backend):
         return (torch.ones(key.args[0].shape),), Ctx(scale=0.5)
 
     built = SegmentedRunner(
-        STAGES, backend=backend, admission=EAGER_FIRST, background=True, examples=examples
+        STAGES,
+        backend=backend,
+        admission=EAGER_FIRST,
+        capture=CaptureConfig(background=True, examples=examples),
     )
     yield built
     built.close()
@@ -62,4 +66,4 @@ def test_invalidate_mid_group_retires_every_captured_segment(runner, backend):
 
 def test_background_without_examples_is_refused():
     with pytest.raises(ValueError, match="examples"):
-        SegmentedRunner(STAGES, backend=SimBackend(), background=True)
+        SegmentedRunner(STAGES, backend=SimBackend(), capture=CaptureConfig(background=True))

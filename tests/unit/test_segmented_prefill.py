@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from graphguard.core.admission import AdmissionConfig
+from graphguard.core.options import CaptureConfig
 from graphguard.core.sim import SimBackend
 from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.forward import (
@@ -112,7 +113,7 @@ def test_segmented_graphs_equal_eager_with_changed_images_and_text(model):
         prefill_stages(model),
         backend=SimBackend(),
         admission=AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0),
-        retain=(model, kv),
+        capture=CaptureConfig(retain=(model, kv)),
     )
     for seed in range(3):  # the same shape: new text and a new image each time
         ids, positions, meta = packed_prefill([6, 4], seed=seed)

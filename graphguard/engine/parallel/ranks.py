@@ -15,16 +15,16 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from graphguard.core.decisions import (
+from graphguard.core.decisions import Decision
+from graphguard.engine.batch import PrefillChunk, ScheduledBatch
+from graphguard.engine.parallel.agreement import (
     Agreement,
-    Decision,
     FollowerOrders,
     LeaderOrders,
     Orders,
     Vote,
     worst_vote,
 )
-from graphguard.engine.batch import PrefillChunk, ScheduledBatch
 from graphguard.engine.sampling import SamplingParams
 from graphguard.engine.sequence import Sequence
 

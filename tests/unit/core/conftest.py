@@ -8,6 +8,7 @@ import torch
 
 import graphguard as gg
 from graphguard.core.sim import SIM_SEGMENT_BYTES
+from tests.runner_options import grouped
 
 MiB = 1 << 20
 SEG = SIM_SEGMENT_BYTES
@@ -49,7 +50,7 @@ def make_runner(clock: FakeClock) -> Callable[..., gg.GraphRunner]:
         kwargs.setdefault("backend", "sim")
         kwargs.setdefault("admission", gg.AdmissionConfig(min_hits=1))
         kwargs.setdefault("clock", clock)
-        runner = gg.GraphRunner(fn, **kwargs)
+        runner = gg.GraphRunner(fn, **grouped(kwargs))
         made.append(runner)
         return runner
 

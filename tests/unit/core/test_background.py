@@ -115,7 +115,7 @@ def test_examples_give_the_inputs_of_a_capture_between_calls(make_bg):
 
 def test_background_without_buckets_or_examples_is_refused():
     with pytest.raises(ValueError, match="example inputs"):
-        gg.GraphRunner(mlp_step, backend="sim", background=True)
+        gg.GraphRunner(mlp_step, backend="sim", capture=gg.CaptureConfig(background=True))
 
 
 def test_another_key_waits_while_a_capture_is_in_flight(make_bg):

@@ -94,7 +94,9 @@ def test_the_default_never_covers(make_runner, backend):
     stats = runner.stats()
     assert (stats["covered"], stats["fallbacks"]) == (0, {"capture_in_progress": 1})
     with pytest.raises(ValueError, match="max_pad_factor"):
-        gg.GraphRunner(mlp_step, buckets=BUCKETS, max_pad_factor=0, backend="sim")
+        gg.GraphRunner(
+            mlp_step, buckets=BUCKETS, backend="sim", capture=gg.CaptureConfig(max_pad_factor=0)
+        )
 
 
 def test_a_quarantined_key_runs_eagerly_not_through_a_cover(make_covering):

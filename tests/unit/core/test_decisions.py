@@ -1,5 +1,6 @@
 """One decision, every rank: a leader's runner decides, followers carry its decisions out
-(graphguard/core/decisions.py). Two runners in one process stand for two ranks."""
+(Runner.decide / Runner.follow; the ranks' votes: graphguard/engine/parallel/agreement.py).
+Two runners in one process stand for two ranks."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard.core.decisions import Action, RankDivergence, Vote, worst_vote
+from graphguard.core.decisions import Action, DecisionError
 from graphguard.core.reasons import CaptureOutcome
+from graphguard.engine.parallel.agreement import RankDivergence, Vote, worst_vote
 
 BUCKETS = gg.Buckets(batch=(2, 4))
 
@@ -60,7 +62,7 @@ def test_a_follower_told_to_replay_a_key_it_does_not_hold_diverges(pair, make_ru
     leader, _ = pair
     lead(leader, make_runner(buckets=BUCKETS), inputs(2))
     stranger = make_runner(buckets=BUCKETS)
-    with pytest.raises(RankDivergence):
+    with pytest.raises(DecisionError):
         stranger.follow(inputs(2), leader.decide(inputs(2)))
 
 

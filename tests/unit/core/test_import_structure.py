@@ -4,6 +4,8 @@ reads the imports)."""
 
 from __future__ import annotations
 
+import ast
+
 from tests.import_graph import ROOT, find_cycle, import_graph, imported_modules, sources
 
 LAYERS = ("core", "segmented")
@@ -31,8 +33,8 @@ def above_core(source: str) -> list[str]:
 
 def test_runtime_modules_import_each_other_without_a_cycle() -> None:
     graph = import_graph(runtime_sources())
-    assert "graphguard.core.base" in graph["graphguard.core.runner"]  # the walk saw edges
-    assert "graphguard.core.base" in graph["graphguard.segmented.runner"]
+    assert "graphguard.core.runner" in graph["graphguard.core.graph_runner"]  # the walk saw edges
+    assert "graphguard.core.runner" in graph["graphguard.segmented.runner"]
     cycle = find_cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
 
@@ -86,10 +88,37 @@ def test_the_version_module_is_a_leaf() -> None:
         assert graphguard_imports(path.read_text()) == set(), leaf
 
 
+def test_core_knows_nothing_of_ranks() -> None:
+    # Tensor parallelism wraps a runner from graphguard.engine.parallel: core stays one process.
+    words = ("rank", "leader", "follower", "vote", "agree", "orders")
+    for name, source in runtime_sources().items():
+        found = {n for n in identifiers(source) if any(w in n.lower() for w in words)}
+        assert found == set(), name
+
+
+def identifiers(source: str) -> set[str]:
+    """Every name a module defines, reads or passes as a keyword."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            names.add(node.arg)
+    return names
+
+
 def test_manifests_import_no_runner() -> None:
     # export and prewarm read a runner through its public surface (their own Protocols), so
     # the runner may offer them as methods without a cycle.
     sources = runtime_sources()
-    runners = {"graphguard.core.runner", "graphguard.segmented.runner"}
+    runners = {
+        "graphguard.core.runner",
+        "graphguard.core.graph_runner",
+        "graphguard.segmented.runner",
+    }
     for name in ("graphguard.core.export", "graphguard.core.prewarm"):
         assert graphguard_imports(sources[name]) & runners == set(), name

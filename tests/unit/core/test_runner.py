@@ -176,7 +176,7 @@ def test_sampled_reverification_quarantines_on_drift(make_runner):
         calls["n"] += 1
         return x + calls["n"]
 
-    runner.fn = drifting
+    runner.kind.fn = drifting
     runner(torch.zeros(2))
     out = runner(torch.zeros(2))  # replay 4: re-verified, differs, evicted, eager returned
     stats = runner.stats()
@@ -233,7 +233,7 @@ def test_retained_owners_are_kept_by_every_graph_of_the_runner(make_runner):
     runner(*inputs(4))
     entries = runner._cache.entries()
     assert len(entries) == 2 and all(any(o is weights for o in e.owners) for e in entries)
-    runner._owners.clear()  # from here only the graphs hold it
+    runner.kind.owners.clear()  # from here only the graphs hold it
     del weights
     gc.collect()
     assert ref() is not None  # kept alive by the graphs

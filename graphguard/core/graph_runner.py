@@ -1,0 +1,266 @@
+"""GraphRunner: the public callable, and SingleGraphs, its kind: one graph per key, keyed by the
+call's padded arguments.
+
+The flow of a call (replay, eager with one reason, or a capture earned) is the Runner's
+(graphguard.core.runner); what is particular to single graphs is here: planning a call into a
+bucketed key, copying its inputs into an entry's static inputs and slicing the outputs back,
+capturing an entry and checking its first replay against eager.
+
+Manifests (export.py, prewarm.py) import no runner module: they read a runner only through its
+public surface (`resident()`, `plan()`, `warmup()`, `max_bytes`, `buckets`), so the `export()`
+and `prewarm()` conveniences here can call them without an import cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import Backend, CaptureError
+from graphguard.core.capture import CaptureMode, CaptureUnits, Verdict, WarmupReport
+from graphguard.core.entry import EntryInfo, GraphEntry
+from graphguard.core.export import ManifestSource, export_manifest
+from graphguard.core.inputs import (
+    MAX_PLANS,
+    CallPlan,
+    call_signature,
+    copy_inputs,
+    make_static_args,
+    padding_example,
+    plan_call,
+    slice_outputs,
+)
+from graphguard.core.keys import Buckets, GraphKey
+from graphguard.core.kind import Replayed
+from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
+from graphguard.core.prewarm import prewarm
+from graphguard.core.reasons import CaptureOutcome, FallbackReason
+from graphguard.core.runner import Clock, Runner
+from graphguard.core.switch import resolve_backend
+from graphguard.core.verify import VerifyConfig, parity_error
+
+log = logging.getLogger("graphguard")
+
+Args = tuple[Any, ...]  # one call's arguments
+
+
+class SingleGraphs:
+    """The kind of a GraphRunner: `fn`'s graphs, one per key (graphguard.core.kind)."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        buckets: Buckets | None,
+        backend: Backend | None,
+        verify: VerifyConfig,
+        options: CaptureConfig,
+        name: str,
+    ):
+        self.fn = fn
+        self.name = name
+        self.buckets = buckets
+        self.backend = backend
+        self.verify = verify
+        # NOTE: the owners live here alone (what every new graph retains), so that once the
+        # caller lets go of them, the admitted graphs are what keeps them alive.
+        self.owners = list(options.retain)
+        self.options = replace(options, retain=())
+        self._device = backend.device if backend is not None else torch.device("cpu")
+        # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
+        # the call's signature and the runner's fixed settings, so it is remembered (bounded).
+        self._plans: dict[tuple[Any, ...], CallPlan | FallbackReason] = {}
+
+    def plan(self, args: Args) -> CallPlan | FallbackReason:
+        """plan_call, remembered by the arguments' shapes, dtypes, devices and constants."""
+        staged = self.options.stage_host_inputs
+        try:
+            signature = call_signature(args)
+            plan = self._plans.get(signature)
+        except TypeError:  # an unhashable constant: plan_call names the reason
+            return plan_call(args, self.buckets, self._device, staged)
+        if plan is None:
+            plan = plan_call(args, self.buckets, self._device, staged)
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[signature] = plan
+        return plan
+
+    def eager(self, args: Args) -> Any:
+        return self.fn(*args)
+
+    def example(self, key: GraphKey) -> tuple[Args, CallPlan]:
+        examples = self.options.examples
+        args = tuple(examples(key)) if examples else padding_example(key, self.buckets)
+        plan = self.plan(args)
+        if isinstance(plan, FallbackReason) or plan.key != key:
+            raise ValueError(f"example inputs of {key.describe()} do not map to that key")
+        return args, CallPlan(key, key.rows)  # every row counts: nothing is sliced off
+
+    def new_candidate(self, key: GraphKey) -> GraphEntry:
+        assert self.backend is not None
+        return GraphEntry(key, self.backend)
+
+    def capture(self, entry: GraphEntry, args: Args, plan: CallPlan) -> CaptureUnits:
+        """Capture, replay once and compare with eager. Units: static inputs and the first
+        warm-up, each further warm-up, the capture, the check."""
+        try:
+            for owner in self.owners:
+                entry.retain(owner)
+            static_args = make_static_args(entry, args, plan, self.buckets)
+            for _ in range(entry.backend.num_warmup):
+                entry.warm_up(self.fn)
+                yield
+            entry.capture(self.fn, static_args)
+        except CaptureError as exc:
+            return Verdict.rejected(CaptureOutcome.FAILED, exc)
+        yield
+        outputs = entry.replay()
+        if self.verify.enabled:
+            # NOTE: eager runs on the padded static inputs, so it does not answer the call.
+            error = parity_error(entry.key, outputs, self.fn(*entry.static_args), self.verify)
+            if error is not None:
+                return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error)
+        entry.verified = self.verify.mode  # the check it passed: "off" when none ran
+        return Verdict(outputs)
+
+    def replay(self, entry: GraphEntry, args: Args, plan: CallPlan) -> Replayed:
+        outputs = entry.replay(lambda: copy_inputs(entry, args, plan, self.buckets))
+        every = self.verify.reverify_every
+        if every and self.verify.enabled and entry.replays % every == 0:
+            eager = self.fn(*entry.static_args)
+            error = parity_error(entry.key, outputs, eager, self.verify)
+            if error is not None:
+                answer = slice_outputs(eager, plan, copy=False)
+                return Replayed(answer, FallbackReason.PARITY_MISMATCH, drift=error)
+        return Replayed(slice_outputs(outputs, plan, self.options.copy_outputs))
+
+    def admitted(self, entry: GraphEntry, outputs: Any, plan: CallPlan, mode: CaptureMode) -> Any:
+        log.info(
+            "graphguard capture key=%s bytes=%d ms=%.1f runner=%s",
+            entry.key.describe(), entry.resident_bytes, entry.capture_ms, self.name,
+        )  # fmt: skip
+        if mode is not CaptureMode.ON_CALL:
+            return None
+        return slice_outputs(outputs, plan, self.options.copy_outputs)
+
+    def cover(self, key: GraphKey, is_admitted: Callable[[GraphKey], bool]) -> GraphKey | None:
+        """The smallest admitted larger bucket of `key` within max_pad_factor."""
+        rows, factor = key.rows, self.options.max_pad_factor
+        if factor == 1 or self.buckets is None or rows is None:
+            return None
+        for size in self.buckets.batch:
+            if size > rows * factor:
+                break
+            if size > rows and is_admitted(bigger := key.with_rows(size)):
+                return bigger
+        return None
+
+    def num_graphs(self, entry: GraphEntry) -> int:
+        return 1
+
+
+class GraphRunner(Runner[GraphEntry, Args]):
+    """Replays CUDA graphs of `fn` under a byte budget, verified against eager.
+
+    Args:
+        fn: callable on tensors (and hashable constants) returning a tensor, tuple, list or dict
+            of tensors. It must not depend on host-side state that changes between calls.
+        buckets: pad dimension 0 of every tensor argument up to a bucket and slice outputs back;
+            without it, graphs are keyed by exact shapes, dtypes and devices.
+        max_bytes: resident byte budget for all graphs of this runner.
+        verify: "exact" (bitwise), "off", or a VerifyConfig ("allclose" with rtol and atol, and
+            `reverify_every`: compare every N-th replay with eager too).
+        admission: when a key earns a capture (AdmissionConfig).
+        capture: how graphs are captured and served (CaptureConfig: background capture,
+            example inputs, retained owners, device, output copies, host staging, padding to a
+            larger bucket, strictness).
+        backend: "auto" (CUDA when present, else eager with no_cuda), "cuda", "sim" or a Backend.
+        metrics: a GraphMetrics to report into (shared across runners), or a private one.
+        clock: time source of every admission decision (tests inject a fake one).
+        name: the runner's name in logs, metrics and stats.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        buckets: Buckets | None = None,
+        max_bytes: int = 1 << 30,
+        verify: str | VerifyConfig = "exact",
+        admission: AdmissionConfig | None = None,
+        capture: CaptureConfig | None = None,
+        backend: str | Backend = "auto",
+        metrics: GraphMetrics | None = None,
+        clock: Clock = time.monotonic,
+        name: str = "graph",
+    ):
+        capture = capture or CaptureConfig()
+        if capture.background and buckets is None and capture.examples is None:
+            raise ValueError(
+                "background capture runs on example inputs: give buckets (all-padding rows) or "
+                "examples(key)"
+            )
+        verify = verify if isinstance(verify, VerifyConfig) else VerifyConfig(verify)
+        resolved = resolve_backend(backend, capture.device)
+        kind = SingleGraphs(fn, buckets, resolved, verify, capture, name)
+        super().__init__(
+            kind, backend=resolved, max_bytes=max_bytes, admission=admission, capture=kind.options,
+            metrics=metrics, clock=clock, name=name,
+        )  # fmt: skip
+        self.kind: SingleGraphs = kind
+        self.buckets = buckets
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(args)
+
+    def plan(self, args: Sequence[Any]) -> CallPlan | FallbackReason:
+        """The key a call with `args` maps to (and its real rows), or why it runs eagerly."""
+        if self.backend is None:
+            return FallbackReason.NO_CUDA
+        return self.kind.plan(tuple(args))
+
+    def warmup(self, examples: Iterable[Sequence[Any]], progress: bool = True) -> WarmupReport:
+        """Capture the keys of `examples` up front, largest first, within the budget."""
+        started, plans, skipped = time.perf_counter(), [], {}
+        for args in examples:
+            plan = self.plan(args)
+            if isinstance(plan, FallbackReason):
+                skipped[repr(args)[:80]] = plan.value
+            else:
+                plans.append((plan, tuple(args)))
+        report = self._warm(plans, started, progress)
+        report.skipped.update(skipped)
+        return report
+
+    def entries(self) -> list[EntryInfo]:
+        return [entry.info() for entry in self._cache.entries()]
+
+    def admitted_keys(self) -> list[GraphKey]:
+        return [entry.key for entry in self._cache.entries()]
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot: counts, bytes, fallbacks by reason, admission counters."""
+        stats = super().stats()
+        stats["entries"] = len(self._cache)
+        return stats
+
+    def export(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Write a JSON manifest of the resident graphs to `path` and return it.
+
+        Never resets or re-captures a graph; safe while replays run (export_manifest).
+        """
+        return export_manifest(self, path)
+
+    def prewarm(self, manifest: ManifestSource, progress: bool = True) -> WarmupReport:
+        """Capture exactly the keys of a manifest (a path or a loaded dict), largest first,
+        within the budget. A manifest from another torch version or device is refused (see
+        the report's `refused`) and the runner stays lazy; this never raises for a bad one."""
+        return prewarm(self, manifest, progress=progress)
