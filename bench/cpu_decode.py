@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import write_json  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
-from graphguard.engine.loader import embedded_gguf_path, load_model  # noqa: E402
-from graphguard.engine.sampling import SamplingParams  # noqa: E402
+from graphguard.engine.models.loader import embedded_gguf_path, load_model  # noqa: E402
+from graphguard.engine.tokens.sampling import SamplingParams  # noqa: E402
 from graphguard.kernels.isa import cpu_features  # noqa: E402
 
 PROMPT, NEW_TOKENS = "The capital of France is", 64

@@ -31,7 +31,7 @@ from graphguard.engine.fidelity import (  # noqa: E402
     score_text,
 )
 from graphguard.engine.llm import LLM  # noqa: E402
-from graphguard.engine.loader import load_model  # noqa: E402
+from graphguard.engine.models.loader import load_model  # noqa: E402
 from graphguard.kernels.isa import cpu_features  # noqa: E402
 
 PATHS = {

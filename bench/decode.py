@@ -33,10 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timing import graph_replay_ms, out_dir, write_json  # noqa: E402
 from graphguard.engine.config import PRESETS, ModelConfig, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
-from graphguard.engine.kv import PagedKVStorage, width_bucket  # noqa: E402
-from graphguard.engine.loader import LoadedModel, config_to_hf  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.sampling import SamplingParams  # noqa: E402
+from graphguard.engine.models.loader import LoadedModel, config_to_hf  # noqa: E402
+from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
+from graphguard.engine.shapes import width_bucket  # noqa: E402
+from graphguard.engine.tokens.sampling import SamplingParams  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 16, 128
 

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import graph_replay_ms, write_json  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
-from graphguard.engine.forward import EagerForward  # noqa: E402
-from graphguard.engine.kv import PagedKVStorage  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
+from graphguard.engine.models.forward import EagerForward  # noqa: E402
+from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
 from graphguard.kernels import select_kernels  # noqa: E402
 
 BATCH, CONTEXT, BLOCK_SIZE = 32, 512, 16

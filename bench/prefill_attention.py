@@ -20,7 +20,7 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from graphguard.engine.attention import PREFILL_SDPA_BACKENDS, _masked_sdpa  # noqa: E402
+from graphguard.engine.models.attention import PREFILL_SDPA_BACKENDS, _masked_sdpa  # noqa: E402
 
 SHAPES = ((12, 16), (16, 16), (7, 9), (10, 32))  # (sequences, padded length) of a group
 HEADS, KV_HEADS, DIM, SCALE = 9, 3, 64, 0.125

@@ -32,9 +32,9 @@ from bench.timing import write_json  # noqa: E402
 from graphguard.core.admission import AdmissionConfig  # noqa: E402
 from graphguard.engine.config import PRESETS, GraphConfig, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
-from graphguard.engine.loader import LoadedModel  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.sampling import SamplingParams  # noqa: E402
+from graphguard.engine.models.loader import LoadedModel  # noqa: E402
+from graphguard.engine.tokens.sampling import SamplingParams  # noqa: E402
 
 WARMUP_WAVES, TIMED_WAVES = 3, 5
 

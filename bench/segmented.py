@@ -1,7 +1,7 @@
 """Segmented prefill graphs vs eager: prefill, image requests, and eight-question churn.
 
 SmolLM2-135M shape with random weights (bf16) and the random-weight vision encoder; attention
-runs eagerly between graphed segments (graphguard.engine.forward, prefill_graphs). Workloads:
+runs eagerly between graphed segments (graphguard.engine.models.forward, prefill_graphs). Workloads:
 
 - prefill: one text prompt of T tokens, per-call ms, eager vs replayed segment groups;
 - image: vision encoding + prefill of an image-plus-text prompt, eager vs segmented;
@@ -32,18 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import graphguard as gg  # noqa: E402
 from bench.timing import latencies_ms, per_call_ms, percentile, write_json  # noqa: E402
-from graphguard.engine.attention import AttentionMetadata  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
-from graphguard.engine.forward import (  # noqa: E402
+from graphguard.engine.models import build_model  # noqa: E402
+from graphguard.engine.models.attention import AttentionMetadata  # noqa: E402
+from graphguard.engine.models.forward import (  # noqa: E402
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
-from graphguard.engine.kv import PagedKVStorage  # noqa: E402
-from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.vision import VisionConfig, build_vision_encoder  # noqa: E402
+from graphguard.engine.models.vision import VisionConfig, build_vision_encoder  # noqa: E402
+from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
 from graphguard.segmented import SegmentedRunner  # noqa: E402
 
 BLOCK = 16
@@ -105,7 +105,7 @@ class Bench:
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(num_tokens)]
         dev = self.device
         return AttentionMetadata(
-            is_prefill=True,
+            packed=True,
             slot_mapping=torch.tensor(slots, device=dev),
             block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),

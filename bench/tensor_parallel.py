@@ -29,8 +29,8 @@ from bench.timing import out_dir, write_json  # noqa: E402
 from graphguard.core.switch import KILL_SWITCH_ENV  # noqa: E402
 from graphguard.engine.config import PRESETS, engine_config  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
-from graphguard.engine.loader import LoadedModel  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
+from graphguard.engine.models.loader import LoadedModel  # noqa: E402
 
 SHAPE, PROMPT_LEN, NEW_TOKENS = "qwen3-0.6b", 16, 128
 
@@ -55,7 +55,7 @@ def tok_s(engine: LLMEngine, batch: int) -> tuple[float, float]:
 
 
 def measure(world_size: int, batches: list[int]) -> list[dict]:
-    from graphguard.engine.parallel.launch import start_ranks
+    from graphguard.engine.launch.spawn import start_ranks
 
     config = engine_config(
         tensor_parallel_size=world_size,

@@ -24,7 +24,7 @@ from graphguard.version import __version__
 _LAZY = {
     "LLM": "graphguard.engine.llm",
     "CompletionOutput": "graphguard.engine.llm",
-    "SamplingParams": "graphguard.engine.sampling",
+    "SamplingParams": "graphguard.engine.tokens.sampling",
 }
 
 

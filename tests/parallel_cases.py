@@ -11,7 +11,7 @@ from typing import Any
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import EngineConfig, GraphConfig
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.tokens.sampling import SamplingParams
 
 PROMPT = "The capital of France is"
 NUM_TOKENS = 6
@@ -54,7 +54,7 @@ def greedy(engine: Any, prompt: str = PROMPT) -> list[int]:
 
 def run_leader(scenario: str, queue: Any, env: dict[str, str]) -> None:
     """Rank 0 in this process: start both ranks, run `scenario`, report, shut down."""
-    from graphguard.engine.parallel.launch import start_ranks
+    from graphguard.engine.launch.spawn import start_ranks
 
     os.environ.update(env)
     config = SCENARIO_CONFIGS.get(scenario, tp_config)()
@@ -132,7 +132,7 @@ def failing_follower(rank: int, setup: Any) -> None:
     fails at its end: its collectives were recorded, so no rank is left waiting)."""
     from graphguard.core.backends import CaptureError
     from graphguard.core.sim import SimBackend
-    from graphguard.engine.parallel.launch import follower_main
+    from graphguard.engine.launch.spawn import follower_main
 
     original = SimBackend.capture
 
@@ -153,8 +153,8 @@ def random_qwen3() -> Any:
 
     from bench.decode import NumberTokenizer
     from graphguard.engine.config import PRESETS
-    from graphguard.engine.loader import LoadedModel
     from graphguard.engine.models import build_model
+    from graphguard.engine.models.loader import LoadedModel
 
     config = PRESETS["qwen3-0.6b"]
     model = build_model(config, dtype=torch.bfloat16, device="cpu", seed=0)

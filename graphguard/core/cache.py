@@ -140,7 +140,8 @@ class GraphCache(Generic[E]):
         Returns False (and leaves the entry to the caller to retire) when it cannot fit.
         """
         with self.lock:
-            assert entry.key not in self._entries, "one admitted entry per key"
+            if entry.key in self._entries:
+                raise ValueError(f"one admitted entry per key: {entry.key.describe()} is admitted")
             victims = self.victims_for(entry.resident_bytes)
             if victims is None:
                 return False
@@ -168,7 +169,8 @@ class GraphCache(Generic[E]):
     def unreserve(self, num_bytes: int) -> None:
         """Give back bytes a capture held (it was admitted, rejected or cancelled)."""
         with self.lock:
-            assert 0 <= num_bytes <= self._reserved_bytes, "unreserve of bytes never reserved"
+            if not 0 <= num_bytes <= self._reserved_bytes:
+                raise ValueError(f"unreserve of {num_bytes} bytes; {self._reserved_bytes} reserved")
             self._reserved_bytes -= num_bytes
 
     def evict(self, key: GraphKey, cause: EvictionCause | str) -> bool:

@@ -9,10 +9,13 @@ absolute sets.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from graphguard.core.reasons import (
     ALL_REASONS,
@@ -24,20 +27,44 @@ from graphguard.core.reasons import (
 )
 
 
+class _Calls(Collector):
+    """graphguard_calls_total: the replays plus the fallbacks of every reason."""
+
+    def __init__(self, replays: Counter, fallbacks: Counter) -> None:
+        self._counters = (replays, fallbacks)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        total = sum(
+            sample.value
+            for counter in self._counters
+            for family in counter.collect()
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        )
+        yield CounterMetricFamily("graphguard_calls", "Calls into graph runners", value=total)
+
+
 class GraphMetrics:
     """The runtime's collectors, registered in `registry` (a private one by default)."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        self._counters(self.registry)
+        self._gauges(self.registry)
+        self._prewarm(self.registry)
+        self._label_values()
+
+    def _counters(self, r: CollectorRegistry) -> None:
         self.captures = Counter(
             "graphguard_captures", "Graph captures by outcome", ["outcome"], registry=r
         )
         self.replays = Counter("graphguard_replays", "Graph replays", registry=r)
-        self.calls = Counter("graphguard_calls", "Calls into graph runners", registry=r)
         self.fallbacks = Counter(
             "graphguard_fallbacks", "Calls run eagerly, by reason", ["reason"], registry=r
         )
+        # NOTE: every call is a replay or one fallback, so the call count is their sum, read
+        # when scraped: a replay pays for one counter, not two.
+        r.register(_Calls(self.replays, self.fallbacks))
         self.evictions = Counter(
             "graphguard_evictions", "Graphs retired from the cache, by cause", ["cause"], registry=r
         )
@@ -51,6 +78,8 @@ class GraphMetrics:
         self.thrash_backoffs = Counter(
             "graphguard_thrash_backoffs", "Keys backed off for eviction thrash", registry=r
         )
+
+    def _gauges(self, r: CollectorRegistry) -> None:
         self.resident_bytes = Gauge(
             "graphguard_graph_resident_bytes", "Device bytes held by admitted graphs", registry=r
         )
@@ -69,6 +98,8 @@ class GraphMetrics:
         self.quarantined = Gauge(
             "graphguard_quarantined_keys", "Keys backing off after a failure", registry=r
         )
+
+    def _prewarm(self, r: CollectorRegistry) -> None:
         self.prewarm_seconds = Gauge(
             "graphguard_prewarm_seconds", "Time the last prewarm from a manifest took", registry=r
         )
@@ -78,6 +109,9 @@ class GraphMetrics:
         self.prewarm_refusals = Counter(
             "graphguard_prewarm_refusals", "Manifests refused, by reason", ["reason"], registry=r
         )
+
+    def _label_values(self) -> None:
+        """Every label value of a closed set exists from the start (a zero, not a gap)."""
         for prewarm_outcome in PrewarmOutcome:
             self.prewarm_keys.labels(prewarm_outcome.value)
         for refusal in PrewarmRefusal:
@@ -120,7 +154,6 @@ class RunnerCounts:
         self._gauges = (0, 0, 0, 0, 0)
 
     def fallback(self, reason: FallbackReason) -> None:
-        self.metrics.calls.inc()
         self.metrics.fallbacks.labels(reason.value).inc()
         with self.lock:
             fallbacks = self.stats.fallbacks
@@ -128,7 +161,6 @@ class RunnerCounts:
 
     def replay(self) -> None:
         # NOTE: replays are counted under the runner's lock, so no counter lock is needed.
-        self.metrics.calls.inc()
         self.metrics.replays.inc()
         self.stats.replays += 1
 

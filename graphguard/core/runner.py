@@ -110,7 +110,12 @@ class Runner(Generic[E, C]):
         with self._lock:
             out, reason = None, FallbackReason.CLOSED
             if not self._closed:
-                out, reason = self._act(call, plan, self._choose(plan.key))
+                self.policy.record_call(plan.key)
+                entry = self._cache.acquire(plan.key)  # pinned: the common case, a replay
+                if entry is not None:
+                    out, reason = self._replay(entry, call, plan)
+                else:
+                    out, reason = self._act(call, plan, self._choose_without_graph(plan.key))
                 if reason is None:
                     return out
         return self._fallback(call, reason, out, plan.key)  # NOTE: eager work runs unlocked
@@ -128,10 +133,15 @@ class Runner(Generic[E, C]):
         return None
 
     def _choose(self, key: GraphKey) -> Decision:
-        """What to do with a call of `key` (under the lock)."""
+        """What to do with a call of `key` (under the lock); `run` makes the same choice."""
         self.policy.record_call(key)
         if key in self._cache:
             return Decision(Action.REPLAY, key)
+        return self._choose_without_graph(key)
+
+    def _choose_without_graph(self, key: GraphKey) -> Decision:
+        """`_choose` for a key that has no graph: a larger admitted bucket may answer it
+        while it waits for its own capture (the kind's `cover`)."""
         decision = self._choose_missing(key)
         if decision.action is Action.START_CAPTURE or decision.reason in COVERABLE:
             cover = self.kind.cover(key, self._cache.__contains__)
@@ -187,12 +197,14 @@ class Runner(Generic[E, C]):
             # the rest padded, as for the call's own bucket
             plan = CallPlan(decision.cover, plan.rows)
             self._counts.cover()
-        return self._replay(call, plan)
-
-    def _replay(self, call: C, plan: CallPlan) -> Outcome:
         entry = self._cache.acquire(plan.key)
         if entry is None:  # NOTE: only a follower gets here: a decider decided under the lock
             raise DecisionError(f"{self.name}: {plan.key.describe()} is not admitted here")
+        return self._replay(entry, call, plan)
+
+    def _replay(self, entry: E, call: C, plan: CallPlan) -> Outcome:
+        """Replay a pinned entry for `call`, then unpin it; a drift found by re-verification
+        retires the entry and quarantines its key."""
         started = self.clock()
         try:
             replayed = self.kind.replay(entry, call, plan)

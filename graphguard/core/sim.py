@@ -200,6 +200,8 @@ class SimBackend:
     def warm_up(self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any) -> None:
         if stream not in self.live_streams:
             raise RuntimeError(f"warm-up on {stream!r}, which is not live")
+        if pool is None or pool[1] not in self._pool_bytes:
+            raise RuntimeError(f"warm-up outside a live pool: {pool!r}")
         try:
             with torch.no_grad():
                 fn(*args)

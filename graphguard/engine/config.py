@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from graphguard.core.admission import AdmissionConfig
-from graphguard.engine.capture_pacing import CapturePacing
 
 # The engine's admission policy: the runtime's defaults plus payback (rent-or-buy break-even).
 ENGINE_ADMISSION = AdmissionConfig(payback=1.0)
@@ -87,8 +86,25 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 @dataclass(frozen=True)
+class CapturePacing:
+    """How much of a step a capture in flight may take (graphguard/engine/graphs/pacing.py)."""
+
+    max_deferred_steps: int = 8  # steps in a row a pending prefill may put a capture off...
+    max_deferred_ms: float = 200.0  # ...and for at least this long
+    slice_ms: float = 10.0  # capture work per step; a unit that starts inside it runs whole
+
+    def __post_init__(self) -> None:
+        if self.max_deferred_steps < 0:
+            raise ValueError(f"max_deferred_steps must be >= 0, got {self.max_deferred_steps}")
+        if self.max_deferred_ms < 0:
+            raise ValueError(f"max_deferred_ms must be >= 0, got {self.max_deferred_ms}")
+        if self.slice_ms < 0:
+            raise ValueError(f"slice_ms must be >= 0, got {self.slice_ms}")
+
+
+@dataclass(frozen=True)
 class GraphConfig:
-    """How the engine uses CUDA graphs; graphguard/engine/graphs.py builds them from this."""
+    """How the engine uses CUDA graphs; graphguard/engine/graphs builds them from this."""
 
     enforce_eager: bool = False  # decode and prefill eagerly, never through graphs
     backend: str = "auto"  # "auto" -> CUDA graphs where capable; "sim" -> CPU stand-in
@@ -106,7 +122,7 @@ class GraphConfig:
     # its steps run eagerly (capture_in_progress); False captures inside the step that earns it
     background_capture: bool = True
     # how much of a step those captures may take: none while prefills wait (within a bound),
-    # else units up to a time slice (graphguard/engine/capture_pacing.py)
+    # else units up to a time slice (graphguard/engine/graphs/pacing.py)
     capture_pacing: CapturePacing = CapturePacing()
     # eager runs of a key on its graph's stream before the capture: the engine compiles its
     # kernels at start, so one does (the runtime's default, for any function, is two)
@@ -169,7 +185,7 @@ class EngineConfig:
     # how long a rank waits on the others in a collective before serving ends with an error
     collective_timeout_s: float = 120.0
     # launch a greedy decode step before the host reads the last one's tokens: "auto" on
-    # CUDA with one rank, "on" anywhere with one rank, "off" (graphguard/engine/overlap.py)
+    # CUDA with one rank, "on" anywhere with one rank, "off" (graphguard/engine/step/overlap.py)
     overlap_decode: str = "auto"
     graphs: GraphConfig = GraphConfig()
 

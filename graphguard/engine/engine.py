@@ -2,6 +2,9 @@
 
 Lock order: ``lifecycle_lock`` (here) is taken before the graph cache's lock. Every entry point
 that touches requests, KV or weights holds it, so a step never overlaps a reload or shutdown.
+
+NOTE: over 300 lines on purpose: every method here holds or assumes that one lock, so they stay
+in one class; what a step runs is in the sub-packages (scheduling, step, graphs, tokens).
 """
 
 from __future__ import annotations
@@ -17,33 +20,30 @@ import torch
 
 from graphguard.core.export import model_identity
 from graphguard.engine.config import EngineConfig, ModelConfig
-from graphguard.engine.decode_graphs import warmup_shapes
-from graphguard.engine.detokenize import IncrementalDetokenizer
-from graphguard.engine.forward import EagerForward
-from graphguard.engine.graphs import EngineGraphs, GraphCapability, build_graphs
+from graphguard.engine.graphs.component import EngineGraphs, GraphCapability, build_graphs
 from graphguard.engine.intake import RequestLimits, check_request
-from graphguard.engine.kv_sizing import build_kv
-from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
-from graphguard.engine.model_runner import (
-    ModelRunner,
-    prefill_token_bucket,
-    warmup_prefill_tokens,
-)
+from graphguard.engine.models.forward import EagerForward
+from graphguard.engine.models.loader import LoadedModel, load_model, resolve_dtype
+from graphguard.engine.models.vision import engine_vision_encoder, request_image_embeds
 from graphguard.engine.outputs import RequestOutput, build_output, finish_reason, sample_rows
-from graphguard.engine.overlap import (
+from graphguard.engine.parallel.ranks import LeaderLink
+from graphguard.engine.scheduling.batch import ScheduledBatch
+from graphguard.engine.scheduling.kv_sizing import build_kv
+from graphguard.engine.scheduling.scheduler import Scheduler
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.shapes import warmup_prefill_tokens, warmup_shapes
+from graphguard.engine.step.model_runner import ModelRunner
+from graphguard.engine.step.overlap import (
     HostTokens,
     StepAhead,
     decodes_ahead,
     greedy_tokens,
     resolve_overlap,
 )
-from graphguard.engine.parallel.ranks import LeaderLink
-from graphguard.engine.sampling import SamplingParams, TokenLogprob, make_generator
-from graphguard.engine.scheduler import Scheduler
-from graphguard.engine.sequence import Sequence
-from graphguard.engine.step_trace import StepTrace
-from graphguard.engine.structured import GrammarCompiler
-from graphguard.engine.vision import engine_vision_encoder, request_image_embeds
+from graphguard.engine.step.step_trace import StepTrace
+from graphguard.engine.tokens.detokenize import IncrementalDetokenizer
+from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob, make_generator
+from graphguard.engine.tokens.structured import GrammarCompiler
 from graphguard.kernels import kernel_set_class, select_kernels
 
 log = logging.getLogger("graphguard")
@@ -82,15 +82,37 @@ class LLMEngine:
         self.device = weight.device
         # the kernels' prepare() may turn the model to another dtype (kernels/q4.py)
         self.dtype = kernel_set_class(config.kernels).run_dtype or weight.dtype
-        self.loaded = loaded
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
+        self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self._build_model_path()
+        # decode steps launched before the host reads the last one's tokens (overlap.py)
+        self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
+        self._ahead: StepAhead | None = None  # the step in flight, when one was launched ahead
+        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
+        self._pending: list[RequestOutput] = []  # abort outputs for the next step
+        self._seed_rng = random.Random(config.seed)
+        # response_format grammars; llguidance is loaded by the first request that has one
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        self._is_shut_down = False
+        self._num_steps = 0
+        self._num_generated_tokens = 0
+        self._num_steps_ahead = 0  # decode steps launched before the last one's tokens were read
+        self._trace = StepTrace.from_env()  # the step timeline, when asked for
+        self._capture_work = (0, 0.0)  # units of a capture in flight before the last step, s
+        # Image input (random-weight tower; see graphguard/engine/models/vision.py).
+        self.vision = engine_vision_encoder(
+            self.tokenizer, self.model_config.hidden_size, dtype=self.dtype, device=self.device
+        )
+
+    def _build_model_path(self) -> None:
+        """Kernels, KV pool, scheduler, eager forward, graphs and model runner, in that order."""
+        config = self.config
         # NOTE: chosen before any graph is built: graphs capture the kernels the model runs.
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         self.model.use_kernels(self.kernels.kernels)
         self.kernels.kernels.prepare(self.model)
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.kv = build_kv(config, self.model_config, self.max_model_len, self.device, self.dtype)
         self.scheduler = Scheduler(
             self.kv,
@@ -107,26 +129,6 @@ class LLMEngine:
         self.graphs: EngineGraphs | None = built if isinstance(built, EngineGraphs) else None
         self._graphs_off = None if self.graphs else str(built)  # see graphs_off_reason
         self.runner = self._build_runner()
-        # decode steps launched before the host reads the last one's tokens (overlap.py)
-        self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
-        self._ahead: StepAhead | None = None  # the step in flight, when one was launched ahead
-        self._seqs: dict[str, Sequence] = {}  # unfinished requests by id
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # same keys as _seqs
-        self._pending: list[RequestOutput] = []  # abort outputs for the next step
-        self._seed_rng = random.Random(config.seed)
-        # response_format grammars; llguidance is loaded by the first request that has one
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        self._is_shut_down = False
-        self._num_steps = 0
-        self._num_generated_tokens = 0
-        self._num_steps_ahead = 0  # decode steps launched before the last one's tokens were read
-        self._trace = StepTrace.from_env()  # the step timeline, when asked for
-        self._capture_work = (0, 0.0)  # units of a capture in flight before the last step, s
-        # Image input (random-weight tower; see graphguard/engine/vision.py).
-        hidden_size = self.model_config.hidden_size
-        self.vision = engine_vision_encoder(
-            self.tokenizer, hidden_size, dtype=self.dtype, device=self.device
-        )
 
     def _build_graphs(self) -> EngineGraphs | GraphCapability:
         """The decode and prefill graphs, or the reason they are off."""
@@ -145,18 +147,11 @@ class LLMEngine:
         )
 
     def _build_runner(self) -> ModelRunner:
-        graphs = self.graphs
         return ModelRunner(
-            self.model,
-            self.kv,
+            self.forward,
             self.device,
-            decode_fn=graphs.decode_fn if graphs else self.forward.decode,
-            prefill_fn=graphs.prefill_fn if graphs else self.forward.prefill,
-            # NOTE: graphed prefill is keyed by its token count: pad it to a bucket, so keys
-            # recur. Padding follows the setting, not whether graphs could be built, so an
-            # engine computes the same tokens with graphs on, off or still being earned.
-            prefill_bucket=prefill_token_bucket if self.config.graphs.prefill else None,
-            decode_bucket=graphs.decode_bucket if graphs else None,
+            graphs=self.graphs,
+            pad_prefills=self.config.graphs.prefill,
         )
 
     @property
@@ -174,7 +169,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; ValueError with the reason if it can never be served.
 
-        ``images`` are pixel tensors ``[3, S, S]`` (graphguard.engine.images.load_image); the
+        ``images`` are pixel tensors ``[3, S, S]`` (graphguard.engine.models.images.load_image); the
         prompt must hold ``vision.num_tokens_per_image`` placeholder tokens for each.
         ``fork_of`` names a request added before it, with the same prompt and not started
         yet: this one shares its prefill and its images (another choice of an n > 1 request).
@@ -249,9 +244,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: decode one token for the running requests, prefill the next
-        chunk of the others (graphguard.engine.scheduler); only requests that decoded or
+        chunk of the others (graphguard.engine.scheduling.scheduler); only requests that decoded or
         finished their prompt get a token. A graph capture in flight between steps advances
-        first, by bounded units, as its pacing allows (graphguard/engine/capture_pacing.py).
+        first, by bounded units, as its pacing allows (graphguard/engine/graphs/pacing.py).
         With GRAPHGUARD_STEP_TRACE set, each step is a line of the trace (step_trace.py)."""
         started = time.perf_counter()
         outputs = self._step()
@@ -284,41 +279,43 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch.is_empty:
                 return outputs
-            if self.link is not None:
-                self.link.send_batch(batch)  # the followers run the same batch on their shards
-            try:
-                logits = self.runner.run(batch)
-            except BaseException:
-                # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
-                # go back) and keep every output owed for the next step, then re-raise.
-                self._pending = outputs
-                for seq in batch.seqs:
-                    self.abort_request(seq.request_id)
-                raise
-            if self.overlap and not batch.prefills and self._may_step_ahead(batch.decodes):
-                tokens = HostTokens(greedy_tokens(logits))
-                return outputs + self._finish_decode(batch.decodes, tokens, outputs, True)
-            forks = self.scheduler.advance(batch)
-            # Prefills that stop mid-prompt (chunked) get no token this step; forks that start
-            # from a completed prefill sample from their parent's row.
-            rows = [i for i, done in enumerate(batch.completes) if done]
-            seqs = [batch.seqs[i] for i in rows] + [fork for _, fork in forks]
-            rows += [row for row, _ in forks]
-            picked = sample_rows(
-                logits if rows == list(range(len(batch.seqs))) else logits[rows], seqs
-            )
-            for seq, choice in zip(seqs, picked, strict=True):
-                if isinstance(choice, Exception):
-                    outputs.append(self._fail(seq, choice))
-                else:
-                    outputs.append(self._append(seq, *choice))
-            self._num_steps += 1
-            self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs)
-            return outputs
+            return outputs + self._run(batch, outputs)
+
+    def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Run one scheduled batch: its logits, then its sampled tokens as outputs (`outputs`:
+        those already owed this step, kept for the next one if the batch fails)."""
+        if self.link is not None:
+            self.link.send_batch(batch)  # the followers run the same batch on their shards
+        try:
+            logits = self.runner.run(batch)
+        except BaseException:
+            # NOTE: the batch's KV is not trustworthy now: abort its requests (their blocks
+            # go back) and keep every output owed for the next step, then re-raise.
+            self._pending = outputs
+            for seq in batch.seqs:
+                self.abort_request(seq.request_id)
+            raise
+        if self.overlap and not batch.prefills and self._may_step_ahead(batch.decodes):
+            tokens = HostTokens(greedy_tokens(logits))
+            return self._finish_decode(batch.decodes, tokens, outputs, True)
+        forks = self.scheduler.advance(batch)
+        # Prefills that stop mid-prompt (chunked) get no token this step; forks that start
+        # from a completed prefill sample from their parent's row.
+        rows = [i for i, done in enumerate(batch.completes) if done]
+        seqs = [batch.seqs[i] for i in rows] + [fork for _, fork in forks]
+        rows += [row for row, _ in forks]
+        picked = sample_rows(logits if rows == list(range(len(batch.seqs))) else logits[rows], seqs)
+        new = [
+            self._fail(seq, choice) if isinstance(choice, Exception) else self._append(seq, *choice)
+            for seq, choice in zip(seqs, picked, strict=True)
+        ]
+        self._num_steps += 1
+        self._num_generated_tokens += sum(len(out.new_token_ids) for out in outputs + new)
+        return new
 
     def _may_step_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether the step after this one may be launched before its tokens are read: the
-        same rows would run, each sampling greedily (graphguard/engine/overlap.py)."""
+        same rows would run, each sampling greedily (graphguard/engine/step/overlap.py)."""
         return self.scheduler.may_step_ahead(seqs) and all(
             decodes_ahead(seq, self.max_model_len) for seq in seqs
         )

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.forward import eager_prefill
+from graphguard.engine.models.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.models.forward import eager_prefill
 
 WINDOW_TOKENS = 512  # each window is scored from a fresh start, its first token unpredicted
 
@@ -145,7 +145,7 @@ def _prefill_meta(table: Tensor, slots: Tensor) -> AttentionMetadata:
     """The metadata of one fresh sequence's prefill of ``len(slots)`` tokens."""
     num_tokens, device = len(slots), table.device
     return AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=slots,
         block_tables=table,
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.sequence import num_blocks_for
-from graphguard.engine.structured import InvalidParamError
+from graphguard.engine.scheduling.sequence import num_blocks_for
+from graphguard.engine.tokens.sampling import SamplingParams
+from graphguard.engine.tokens.structured import InvalidParamError
 
 
 @dataclass(frozen=True)

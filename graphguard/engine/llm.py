@@ -9,8 +9,8 @@ from tqdm import tqdm
 
 from graphguard.engine.config import engine_config
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams, TokenLogprob
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob
 
 
 @dataclass

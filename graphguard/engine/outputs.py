@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from graphguard.engine.detokenize import IncrementalDetokenizer
-from graphguard.engine.sampling import TokenLogprob, sample, token_logprobs
-from graphguard.engine.sequence import Sequence
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.tokens.detokenize import IncrementalDetokenizer
+from graphguard.engine.tokens.sampling import TokenLogprob, sample, token_logprobs
 
 log = logging.getLogger("graphguard")
 

@@ -1,7 +1,7 @@
 """The fused kernel set: Triton kernels for the decoder's norms, RoPE, MLP activation and paged
 decode attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights concatenated at
 load; up to 16 rows, a Triton kernel made for few rows). Short prefills run their attention as
-decode rows (graphguard/engine/forward.py `prefills_as_rows`); everything else, and the
+decode rows (graphguard/engine/models/forward.py `prefills_as_rows`); everything else, and the
 attention of long prefills (SDPA's flash kernels), is the reference's."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ class TorchKernels:
     # why weights loaded in place (reload_weights) cannot serve this set; None: they can
     no_reload: str | None = None
     # the largest prefill (tokens x longest context) that runs with its tokens as rows of
-    # `decode_attention` (graphguard/engine/forward.py `prefills_as_rows`); 0: never, as this
+    # `decode_attention` (graphguard/engine/models/forward.py `prefills_as_rows`); 0: never, as this
     # set's decode attention gathers every row's whole context
     row_prefill_area = 0
 

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from torch import Tensor
 
 from graphguard.engine.engine import LLMEngine, RequestOutput
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.vision import VisionEncoder
+from graphguard.engine.models.vision import VisionEncoder
+from graphguard.engine.tokens.sampling import SamplingParams
 
 logger = logging.getLogger("graphguard.server")
 

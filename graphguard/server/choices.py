@@ -17,7 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from graphguard.engine.engine import RequestOutput
-from graphguard.engine.sampling import TokenLogprob
+from graphguard.engine.tokens.sampling import TokenLogprob
 from graphguard.server import responses as r
 from graphguard.server.async_engine import RequestStream
 from graphguard.server.context import ServingContext

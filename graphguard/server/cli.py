@@ -133,7 +133,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     """One process's engine, or rank 0's of `tensor_parallel_size` ranks (the others start
     as child processes and end with it)."""
     from graphguard.engine.engine import LLMEngine
-    from graphguard.engine.parallel.launch import start_ranks
+    from graphguard.engine.launch.spawn import start_ranks
 
     if config.tensor_parallel_size == 1:
         return LLMEngine(config)

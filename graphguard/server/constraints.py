@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from graphguard.engine.sampling import MAX_LOGIT_BIAS
-from graphguard.engine.structured import ResponseFormat, ResponseFormatKind
+from graphguard.engine.tokens.sampling import MAX_LOGIT_BIAS
+from graphguard.engine.tokens.structured import ResponseFormat, ResponseFormatKind
 
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id in decimal
 

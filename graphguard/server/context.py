@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from graphguard.engine.tokenizer import Tokenizer
+from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server.async_engine import AsyncEngine
 from graphguard.server.errors import APIError
 from graphguard.server.metrics import ServerMetrics

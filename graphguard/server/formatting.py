@@ -19,8 +19,8 @@ from typing import NamedTuple
 from pydantic import BaseModel
 
 from graphguard.engine.engine import RequestOutput
-from graphguard.engine.sampling import TokenLogprob
-from graphguard.engine.tokenizer import Tokenizer
+from graphguard.engine.tokens.sampling import TokenLogprob
+from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import responses as r
 
 # A token of a completions logprobs list: id, logprob and alternatives (None for the first

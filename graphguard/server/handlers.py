@@ -20,9 +20,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from torch import Tensor
 
-from graphguard.engine.sampling import SamplingParams, fork_seed
-from graphguard.engine.structured import InvalidParamError, check_response_format
-from graphguard.engine.tokenizer import Tokenizer
+from graphguard.engine.tokens.sampling import SamplingParams, fork_seed
+from graphguard.engine.tokens.structured import InvalidParamError, check_response_format
+from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import EngineClosedError, EngineRequest
 from graphguard.server.choices import Choice, collect, sse_events, usage

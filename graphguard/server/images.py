@@ -13,8 +13,8 @@ import struct
 
 from torch import Tensor
 
-from graphguard.engine.images import ImageError, expand_image_tokens, load_image
-from graphguard.engine.vision import VisionEncoder
+from graphguard.engine.models.images import ImageError, expand_image_tokens, load_image
+from graphguard.engine.models.vision import VisionEncoder
 from graphguard.server import protocol as p
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError

@@ -29,8 +29,8 @@ from pydantic import (
     field_validator,
 )
 
-from graphguard.engine.sampling import MAX_LOGPROBS, MAX_PENALTY
-from graphguard.engine.structured import ResponseFormat
+from graphguard.engine.tokens.sampling import MAX_LOGPROBS, MAX_PENALTY
+from graphguard.engine.tokens.structured import ResponseFormat
 from graphguard.server.constraints import (
     ResponseFormatBody,
     checked_logit_bias,
@@ -236,7 +236,7 @@ class TextPart(_Body):
 
 
 class ImageURL(_Body):
-    url: str  # only base64 data URLs are accepted (graphguard.engine.images)
+    url: str  # only base64 data URLs are accepted (graphguard.engine.models.images)
     detail: Literal["auto", "low", "high"] | None = None
 
     @field_validator("url")

@@ -8,13 +8,13 @@ import torch
 from bench.decode import NumberTokenizer
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import PRESETS, GraphConfig, engine_config
-from graphguard.engine.decode_graphs import warmup_shapes
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.graphs import EngineGraphs
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.loader import LoadedModel
+from graphguard.engine.graphs.component import EngineGraphs
 from graphguard.engine.models import build_model
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.shapes import warmup_shapes
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 
 pytestmark = pytest.mark.gpu
@@ -68,8 +68,8 @@ def test_graphs_are_on_with_the_capability_proof(loaded):
     try:
         assert isinstance(engine.graphs, EngineGraphs) and engine.graphs_off_reason is None
         # kernels compiled at start: one warm-up before each capture, decode and prefill
-        assert engine.graphs.decode.runner.backend.num_warmup == 1
-        assert engine.graphs.prefill.runner.backend.num_warmup == 1
+        assert engine.graphs.decode.backend.num_warmup == 1
+        assert engine.graphs.prefill.backend.num_warmup == 1
     finally:
         engine.shutdown()
 
@@ -120,7 +120,7 @@ def test_batches_without_a_graph_ride_the_largest_one_and_give_eager_tokens(load
     graphs = make(loaded, graphs=checked, background_capture=True, price_captures=False)
     try:
         _, widths = warmup_shapes(graphs.config)
-        graphs.graphs.decode.warmup([32], widths, progress=False)  # only 32-row graphs
+        graphs.graphs.warm_decode([32], widths, progress=False)  # only 32-row graphs
         assert staggered(graphs) == staggered(eager)
         stats = graphs.graphs.stats()
         # batches of 2 to 31 rows rode a 32-row graph (36 steps on an H200), with eager's
@@ -187,7 +187,7 @@ def test_reload_invalidates_graphs_and_new_weights_are_used(loaded):
     eager, graphs = make(loaded, enforce_eager=True), make(loaded)
     try:
         staggered(graphs, num=4)
-        captured = graphs.graphs.decode.runner._cache.entries()
+        captured = graphs.graphs.decode._cache.entries()
         assert captured
         state = {k: v.clone() for k, v in loaded.model.state_dict().items()}
         changed = {k: v * 1.01 if k.endswith("down_proj.weight") else v for k, v in state.items()}
@@ -242,7 +242,7 @@ def test_decode_and_prefill_graphs_charge_what_the_allocator_holds(loaded):
                 engine.add_request(f"w{wave}-{index}", prompt, GREEDY)
             while engine.has_unfinished_requests():
                 engine.step()
-        decode, prefill = engine.graphs.decode.stats(), engine.graphs.prefill.stats()
+        decode, prefill = engine.graphs.stats(), engine.graphs.stats()["prefill"]
         rows = prefill["rows"]  # 48-token prefills run as rows: whole graphs
         charged = decode["resident_bytes"] + prefill["resident_bytes"] + rows["resident_bytes"]
         assert decode["entries"] > 0 and rows["entries"] > 0, (decode, rows)

@@ -12,9 +12,9 @@ import torch
 
 from graphguard.core.inventory import load_bindings, read_inventory
 from graphguard.engine.config import PRESETS
-from graphguard.engine.forward import EagerForward
-from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import build_model
+from graphguard.engine.models.forward import EagerForward
+from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.kernels import KernelChoice, TorchKernels, select_kernels
 from tests.kernel_cases import (
     BLOCK_SIZE,
@@ -202,7 +202,7 @@ def test_masked_prefill_attention_runs_on_the_memory_efficient_kernel():
     agrees with float32 math."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from graphguard.engine.attention import _masked_sdpa
+    from graphguard.engine.models.attention import _masked_sdpa
 
     q = torch.randn(12, 9, 16, 64, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(12, 3, 16, 64, device="cuda", dtype=torch.bfloat16)

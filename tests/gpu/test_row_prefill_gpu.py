@@ -1,5 +1,5 @@
 """A short prefill run as rows (each token a row of the Triton decode attention over its
-sequence's paged context, graphguard/engine/forward.py `prefills_as_rows`) on a real CUDA
+sequence's paged context, graphguard/engine/models/forward.py `prefills_as_rows`) on a real CUDA
 device: it gives the hidden states of the grouped SDPA prefill, fresh prompts and a chunk that
 continues over its cached context alike, and the engine runs waves of short prompts as rows."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
-from graphguard.engine.forward import row_meta
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.models.forward import row_meta
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.gpu.test_engine_gpu import loaded, make  # noqa: F401
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -39,7 +39,7 @@ def metas(lens: list[int], cached: list[int], tables: list[list[int]], block_siz
     for q in query_lens:
         starts.append(starts[-1] + q)
     grouped = AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=ints(slots, torch.int64),
         block_tables=ints(tables),
         seq_lens=ints(lens),

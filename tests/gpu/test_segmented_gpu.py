@@ -19,18 +19,18 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 from graphguard.core.admission import AdmissionConfig  # noqa: E402
 from graphguard.core.backends import CudaBackend  # noqa: E402
 from graphguard.core.options import CaptureConfig  # noqa: E402
-from graphguard.engine.attention import AttentionMetadata  # noqa: E402
 from graphguard.engine.config import PRESETS  # noqa: E402
-from graphguard.engine.forward import (  # noqa: E402
+from graphguard.engine.models import build_model  # noqa: E402
+from graphguard.engine.models.attention import AttentionMetadata  # noqa: E402
+from graphguard.engine.models.forward import (  # noqa: E402
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
-from graphguard.engine.kv import PagedKVStorage  # noqa: E402
-from graphguard.engine.models import build_model  # noqa: E402
-from graphguard.engine.vision import VisionConfig, build_vision_encoder  # noqa: E402
+from graphguard.engine.models.vision import VisionConfig, build_vision_encoder  # noqa: E402
+from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
 from graphguard.segmented import SegmentedRunner  # noqa: E402
 
 pytestmark = [
@@ -90,7 +90,7 @@ class Setup:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         return AttentionMetadata(
-            is_prefill=True,
+            packed=True,
             slot_mapping=on_device(slots, torch.int64),
             block_tables=on_device([table], torch.int32),
             seq_lens=on_device([num_tokens], torch.int32),

@@ -21,7 +21,7 @@ from openai import OpenAI  # noqa: E402
 
 from graphguard.engine.config import EngineConfig  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
-from graphguard.engine.loader import LoadedModel  # noqa: E402
+from graphguard.engine.models.loader import LoadedModel  # noqa: E402
 from graphguard.server.app import build_app  # noqa: E402
 from graphguard.server.cli import uvicorn_config  # noqa: E402
 from graphguard.server.config import ServerConfig  # noqa: E402

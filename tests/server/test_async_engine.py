@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.server.async_engine import AsyncEngine, EngineRequest
 
 from .conftest import engine_sharing_weights

@@ -1,36 +1,55 @@
-"""graphguard's import graph as a whole: no cycle anywhere, and the request path
-server -> async engine -> engine -> scheduler -> model runner -> graphs -> core has no
-back-edge (a lower layer never imports a higher one)."""
+"""graphguard's import graph as a whole: no cycle anywhere, and the layers stand on each other.
+
+The package's layers, lowest first: core < segmented < engine < server. Inside the engine,
+its floors, lowest first: config; tokens; scheduling; shapes; models; parallel; graphs; step;
+then the top (engine, llm, outputs, intake, fidelity, launch). A module imports only modules on
+its own floor or below: nothing inside engine/ imports one that stands above it.
+"""
 
 from __future__ import annotations
 
 from tests.import_graph import find_cycle, import_graph, sources
 
 E = "graphguard.engine."
-# Modules every engine layer may use: model code, the KV cache and the data they pass around.
-ENGINE_ABOVE_MODELS = (E + "engine", E + "llm", E + "scheduler", E + "model_runner")
-GRAPH_MODULES = (E + "graphs", E + "decode_graphs", E + "prefill_graphs")
+# The engine's floors, lowest first; a floor is a module or a package (its modules).
+ENGINE_FLOORS = (
+    ("config",),
+    ("tokens",),
+    ("scheduling",),
+    ("shapes",),
+    ("models",),
+    ("parallel",),
+    ("graphs",),
+    ("step",),
+    ("engine", "llm", "outputs", "intake", "fidelity", "launch"),
+)
 # module (or package) prefix -> what it must not import (prefixes)
 FORBIDDEN = {
     "graphguard.core": ("graphguard.engine", "graphguard.server", "graphguard.segmented"),
     "graphguard.segmented": ("graphguard.engine", "graphguard.server"),
     "graphguard.engine": ("graphguard.server",),
-    E + "scheduler": (E + "engine", E + "llm", E + "model_runner", *GRAPH_MODULES),
-    E + "model_runner": (E + "engine", E + "llm", E + "scheduler", *GRAPH_MODULES),
-    **{m: ENGINE_ABOVE_MODELS for m in GRAPH_MODULES},
-    **{
-        E + m: ENGINE_ABOVE_MODELS + GRAPH_MODULES
-        for m in ("forward", "models", "attention", "kv", "batch", "sequence", "sampling")
-    },
 }
 
 
+def floor_of(module: str) -> int | None:
+    """The engine floor `module` stands on (None: outside the engine's floors)."""
+    if not module.startswith(E):
+        return None
+    head = module[len(E) :].split(".")[0]
+    return next((i for i, floor in enumerate(ENGINE_FLOORS) if head in floor), None)
+
+
 def back_edges(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run from a lower layer or floor up to a higher one."""
     found = []
     for module, imports in sorted(graph.items()):
         for prefix, banned in FORBIDDEN.items():
             if module == prefix or module.startswith(prefix + "."):
                 found += [f"{module} -> {m}" for m in sorted(imports) if m.startswith(banned)]
+        floor = floor_of(module)
+        if floor is not None:
+            above = [m for m in sorted(imports) if (floor_of(m) or 0) > floor]
+            found += [f"{module} -> {m}" for m in above]
     return found
 
 
@@ -41,19 +60,27 @@ def test_graphguard_imports_without_a_cycle() -> None:
     assert cycle is None, " -> ".join(cycle or [])
 
 
-def test_the_request_path_has_no_back_edge() -> None:
+def test_every_engine_module_stands_on_a_floor() -> None:
+    graph = import_graph(sources("engine"))
+    homeless = sorted(m for m in graph if m != E[:-1] and floor_of(m) is None)
+    assert homeless == []
+
+
+def test_no_import_runs_back_up() -> None:
     graph = import_graph(sources())
-    assert E + "graphs" in graph[E + "engine"]  # the engine builds its graphs: a forward edge
+    assert E + "graphs.component" in graph[E + "step.model_runner"]  # a forward edge, read
     assert back_edges(graph) == []
 
 
 def test_a_back_edge_is_found() -> None:
     graph = {
-        E + "model_runner": {E + "scheduler", E + "kv"},
-        E + "graphs": {E + "forward"},
-        "graphguard.core.runner": {"graphguard.engine.kv"},
+        E + "step.model_runner": {E + "scheduling.batch", E + "engine"},
+        E + "graphs.runners": {E + "models.forward"},
+        E + "models.forward": {E + "graphs.runners"},
+        "graphguard.core.runner": {"graphguard.engine.scheduling.kv"},
     }
     assert back_edges(graph) == [
-        "graphguard.core.runner -> graphguard.engine.kv",
-        "graphguard.engine.model_runner -> graphguard.engine.scheduler",
+        "graphguard.core.runner -> graphguard.engine.scheduling.kv",
+        "graphguard.engine.models.forward -> graphguard.engine.graphs.runners",
+        "graphguard.engine.step.model_runner -> graphguard.engine.engine",
     ]

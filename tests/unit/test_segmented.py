@@ -304,3 +304,54 @@ def test_the_eager_tail_after_a_shape_change_sees_the_calls_context(make):
     runner((x_of(5),), 1)
     x = x_of(5, 1)
     assert_bitwise(runner((x,), 2), runner.eager((x,), 2))
+
+
+def test_a_new_group_is_pending_and_its_pool_is_named_for_its_runner_and_key():
+    key = GraphKey(("k",))
+    group = SegmentGroup(key, SimBackend(), "prefill")
+    info = group.info()
+    assert (info.state, info.verified, info.resident_bytes) == ("new", "pending", 0)
+    assert group.pool_group.name == f"prefill:{key.describe()}"
+
+
+def test_each_owner_is_searched_for_a_cycle_once_per_group(make, monkeypatch):
+    searched: list[object] = []
+    real = entry_module.refers_to
+
+    def counting(root, targets):
+        searched.append(root)
+        return real(root, targets)
+
+    monkeypatch.setattr(entry_module, "refers_to", counting)
+    weights = torch.ones(8)
+    runner = make(retain=[weights], backend=SimBackend(num_warmup=1))
+    runner((x_of(5),), Ctx())
+    (group,) = runner.groups()
+    assert len(group.entries) == 3 and searched == [weights]  # not once per segment
+
+
+def test_an_owner_that_reaches_the_group_is_refused_naming_the_key(make):
+    class Box:
+        group: object = None
+
+    box = Box()
+    runner = make(retain=[box], strict=True)
+    real_new = runner.kind.new_candidate
+
+    def new_candidate(key):
+        box.group = real_new(key)  # the owner now refers to the group being captured
+        return box.group
+
+    runner.kind.new_candidate = new_candidate  # type: ignore[method-assign]
+    with pytest.raises(entry_module.OwnerCycleError, match="refers back to graph"):
+        runner((x_of(5),), Ctx())
+    assert runner.stats()["groups"] == 0
+
+
+def test_segment_warm_ups_run_each_segments_own_function(make):
+    backend = SimBackend(num_warmup=2)
+    runner = make(backend=backend)
+    out = runner((x_of(5),), Ctx())
+    assert backend.num_warmups == 2 * 3  # two per segment
+    assert torch.equal(out[0], runner.eager((x_of(5),), Ctx())[0])
+    assert runner.stats()["captures"] == 1

@@ -1,6 +1,6 @@
-"""SegmentedRunner(background=True): a group is captured between calls, one unit of work per
-advance_capture() (per segment: warm-ups, then capture and first replay; then the parity run),
-on example inputs, and cancelled whole."""
+"""SegmentedRunner with CaptureConfig(background=True): a group is captured between calls, one
+unit of work per advance_capture() (per segment: warm-ups, then capture and first replay; then
+the parity run), on example inputs, and cancelled whole."""
 
 from __future__ import annotations
 

@@ -8,16 +8,16 @@ import torch
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.options import CaptureConfig
 from graphguard.core.sim import SimBackend
-from graphguard.engine.attention import AttentionMetadata
-from graphguard.engine.forward import (
+from graphguard.engine.models import build_model
+from graphguard.engine.models.attention import AttentionMetadata
+from graphguard.engine.models.forward import (
     ImageSplice,
     PrefillContext,
     eager_prefill,
     prefill_inputs,
     prefill_stages,
 )
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.models import build_model
+from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.segmented import SegmentedRunner, run_eager, split_segments
 from tests.tiny import tiny_config
 
@@ -61,7 +61,7 @@ def packed_prefill(lengths: list[int], seed: int = 0):
     width = max(len(t) for t in tables)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     meta = AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
         seq_lens=torch.tensor(lengths, dtype=torch.int32),

@@ -13,11 +13,11 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from graphguard.engine.attention import AttentionMetadata
 from graphguard.engine.config import ModelConfig
-from graphguard.engine.kv import PagedKVStorage
+from graphguard.engine.models.attention import AttentionMetadata
 from graphguard.engine.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from graphguard.engine.parallel.layers import ModelShard, VocabParallelEmbedding
+from graphguard.engine.models.parallel_layers import ModelShard, VocabParallelEmbedding
+from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.kernels import TorchKernels
 
 # arch -> "module:class"; imported on first use so each family stays in its own file.
@@ -31,7 +31,7 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head; families supply the layers.
 
     Parameter names match Hugging Face checkpoints without their ``model.`` prefix. With a
-    `shard` the model is one tensor-parallel rank's (graphguard.engine.parallel.shard): `config`
+    `shard` the model is one tensor-parallel rank's (graphguard.engine.models.shard): `config`
     holds the rank's heads and MLP columns, and the embedding, LM head, o_proj and down_proj
     are the parallel layers that call the shard's collectives.
     """
@@ -84,7 +84,7 @@ class DecoderModel(nn.Module):
         """ids/positions ``[num_tokens]`` int64 -> final hidden states ``[num_tokens, hidden]``."""
         h = self.embed_tokens(input_ids)
         rope = self.rotary(positions, h.dtype)
-        if not meta.is_prefill:
+        if not meta.packed:
             ran = self.kernels.decode_layers(self.layers, h, rope, meta, kv)
             if ran is not None:
                 return self.final_norm(*ran)

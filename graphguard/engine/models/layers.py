@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from graphguard.engine.attention import AttentionMetadata, paged_prefill_attention
 from graphguard.engine.config import ModelConfig
+from graphguard.engine.models.attention import AttentionMetadata, paged_prefill_attention
 from graphguard.kernels import HeadShape, QKNorm, TorchKernels
 from graphguard.kernels.reference import rms_norm, write_kv
 
@@ -153,7 +153,7 @@ class GQAAttention(nn.Module):
         kv_cache: tuple[Tensor, Tensor],
         kernels: TorchKernels,
     ) -> Tensor:
-        if meta.is_prefill:
+        if meta.packed:
             q, k, v = self.project_qkv(x, rope, kernels)
             write_kv(*kv_cache, k, v, meta.slot_mapping)
             out = paged_prefill_attention(q, k, v, *kv_cache, meta, self.scale)

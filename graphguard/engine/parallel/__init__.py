@@ -1,3 +1,4 @@
-"""Tensor parallelism: each rank holds a shard of the model (graphguard.engine.parallel.shard),
-rank 0 leads the steps and every graph decision, the others follow (ranks.py, follower.py).
-Submodules are imported by name; this package imports nothing, so models can use layers.py."""
+"""Tensor parallelism's protocol: how rank 0's step messages and graph decisions reach the other
+ranks (ranks.py), and how the ranks agree on each capture (agreement.py: RankRunner). The
+sharded model is graphguard.engine.models (shard.py, parallel_layers.py); launching the ranks
+and the followers' loop stand at the top (graphguard.engine.launch)."""

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 
 from graphguard.core.decisions import Decision
-from graphguard.engine.batch import PrefillChunk, ScheduledBatch
 from graphguard.engine.parallel.agreement import (
     Agreement,
     FollowerOrders,
@@ -25,8 +24,9 @@ from graphguard.engine.parallel.agreement import (
     Vote,
     worst_vote,
 )
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.sequence import Sequence
+from graphguard.engine.scheduling.batch import PrefillChunk, ScheduledBatch
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.tokens.sampling import SamplingParams
 
 log = logging.getLogger("graphguard")
 

@@ -1,4 +1,4 @@
-"""Captures between calls (GraphRunner(background=True)): the key's calls run eagerly with
+"""Captures between calls (CaptureConfig(background=True)): the key's calls run eagerly with
 `capture_in_progress` while advance_capture() runs one unit of work at a time; the graph is
 admitted between calls; the bytes are held while it runs; invalidate, close and the kill switch
 cancel it cleanly; its work counts toward the capture-time budget."""

@@ -146,3 +146,23 @@ def test_an_eviction_is_logged_with_its_key_bytes_cause_and_replays(caplog):
     assert caplog.messages == [
         f"graphguard evict key={a.key.describe()} bytes={SEG} cause=reverify replays=1"
     ]
+
+
+def test_a_key_is_admitted_once():
+    backend = SimBackend(segment_bytes=SEG)
+    cache = GraphCache(max_bytes=4 * SEG)
+    cache.admit(entry_of("a", backend))
+    with pytest.raises(ValueError, match="^one admitted entry per key: "):
+        cache.admit(entry_of("a", backend))
+    assert len(cache) == 1 and cache.resident_bytes == SEG
+
+
+def test_reservations_add_up_and_only_reserved_bytes_go_back():
+    cache = GraphCache(max_bytes=4 * SEG)
+    assert cache.reserve(SEG) and cache.reserve(2 * SEG)
+    assert cache.reserved_bytes == 3 * SEG
+    cache.unreserve(0)  # nothing held back is nothing given back
+    with pytest.raises(ValueError, match="^unreserve of 3073 bytes; 3072 reserved"):
+        cache.unreserve(3 * SEG + 1)
+    cache.unreserve(3 * SEG)
+    assert cache.reserved_bytes == 0

@@ -1,5 +1,5 @@
 """A call whose bucket has no graph yet replays a larger admitted bucket instead of running
-eagerly (GraphRunner(max_pad_factor=...)): its answer is its own rows' answer, it counts as a
+eagerly (CaptureConfig(max_pad_factor=...)): its answer is its own rows' answer, it counts as a
 replay (`covered`), its own key still earns a graph, and only a key that is waiting for its
 capture is covered, never one that failed or does not fit."""
 

@@ -286,3 +286,39 @@ def test_capture_ms_is_the_captures_wall_time_in_milliseconds(monkeypatch):
 def test_info_rounds_capture_ms_to_the_microsecond(monkeypatch):
     monkeypatch.setattr(entry_module, "time", PerfCounter(step_s=0.0001234))
     assert captured_entry().info().capture_ms == 0.123
+
+
+def test_a_new_entry_holds_no_bytes_and_is_pending_verification():
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    assert (entry.resident_bytes, entry.verified) == (0, "pending")
+    assert entry.info().verified == "pending"
+
+
+def test_capture_ms_counts_the_warm_ups_too(monkeypatch):
+    monkeypatch.setattr(entry_module, "time", PerfCounter(step_s=0.25))
+    entry = GraphEntry(GraphKey(("k",)), SimBackend())
+    entry.static_args = [torch.ones(4)]
+    entry.warm_up(lambda t: t * 2)
+    entry.warm_up(lambda t: t * 2)
+    assert entry.capture_ms == 500.0
+    entry.capture(lambda t: t * 2, [torch.ones(4)])
+    assert entry.capture_ms == 750.0
+
+
+def test_a_warm_up_runs_in_the_entrys_live_pool():
+    backend = SimBackend()
+    entry = GraphEntry(GraphKey(("k",)), backend)
+    entry.static_args = [torch.ones(4)]
+    entry.warm_up(lambda t: t * 2)
+    assert backend.num_warmups == 1
+    entry.retire()
+    with pytest.raises(RuntimeError, match="not live|outside a live pool"):
+        backend.warm_up(lambda t: t * 2, [torch.ones(4)], pool=entry.pool, stream=entry.stream)
+
+
+def test_the_owner_cycle_error_says_why_it_is_refused():
+    entry = captured_entry()
+    owner = Owner()
+    owner.graph_entry = entry
+    with pytest.raises(OwnerCycleError, match="would make a reference cycle that keeps the graph"):
+        entry.retain(owner)

@@ -369,8 +369,8 @@ def test_inspect_lists_the_most_launched_kernels_of_a_graph(manifest_path):
 # -- the engine and `graphguard serve --graph-manifest` ------------------------------------
 def tiny_loaded(name: str = "tiny", num_layers: int = 2):
     from bench.decode import NumberTokenizer
-    from graphguard.engine.loader import LoadedModel
     from graphguard.engine.models import build_model
+    from graphguard.engine.models.loader import LoadedModel
     from tests.tiny import tiny_config
 
     config = tiny_config(
@@ -391,7 +391,7 @@ def tiny_engine(loaded, **overrides):
 
 
 def decode_a_while(engine) -> None:
-    from graphguard.engine.sampling import SamplingParams
+    from graphguard.engine.tokens.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(([5, 6, 7], [8, 9], [10, 11, 12, 13])):
@@ -406,9 +406,9 @@ def decode_manifest(tmp_path) -> tuple[Path, set]:
     try:
         decode_a_while(engine)
         path = tmp_path / "decode.json"
-        manifest = engine.graphs.decode.export(path)
+        manifest = engine.graphs.export(path)
         assert manifest["model"]["name"] == "tiny" and manifest["graphs"]
-        return path, set(engine.graphs.decode.runner.admitted_keys())
+        return path, set(engine.graphs.decode.admitted_keys())
     finally:
         engine.shutdown()
 
@@ -417,7 +417,7 @@ def test_engine_with_a_graph_manifest_starts_with_the_same_decode_keys(decode_ma
     path, keys = decode_manifest
     engine = tiny_engine(tiny_loaded(), graph_manifest=str(path))
     try:
-        assert set(engine.graphs.decode.runner.admitted_keys()) == keys
+        assert set(engine.graphs.decode.admitted_keys()) == keys
         assert engine.graphs.stats()["captures"] == len(keys)
     finally:
         engine.shutdown()
@@ -430,7 +430,7 @@ def test_a_manifest_prices_the_decode_captures_of_a_lazy_start(decode_manifest):
     try:
         # the manifest's captures priced the decode graphs: no probe besides them; the prefill
         # graphs, which the manifest does not hold, are priced by one 16-token group
-        assert set(engine.graphs.decode.runner.admitted_keys()) == keys
+        assert set(engine.graphs.decode.admitted_keys()) == keys
         assert engine.graphs.stats()["prefill"]["captures"] == 1
     finally:
         engine.shutdown()
@@ -440,7 +440,7 @@ def test_engine_refuses_a_manifest_of_another_model_and_starts_lazily(decode_man
     path, _ = decode_manifest
     engine = tiny_engine(tiny_loaded(num_layers=3), graph_manifest=str(path))
     try:
-        assert engine.graphs.decode.runner.admitted_keys() == []
+        assert engine.graphs.decode.admitted_keys() == []
         refusals = engine.graphs.metrics.prewarm_refusals.labels("model")
         assert refusals._value.get() == 1
         decode_a_while(engine)

@@ -71,13 +71,13 @@ def test_importing_the_package_or_a_layer_above_counts_as_reaching_up() -> None:
         "def environment():\n"
         "    from graphguard import __version__\n"
         "from graphguard.segmented.group import SegmentGroup\n"
-        "import graphguard.engine.kv\n"
+        "import graphguard.engine.scheduling.kv\n"
         "from graphguard.version import __version__\n"
         "from graphguard.core.keys import GraphKey\n"
     )
     assert above_core(source) == [
         "graphguard",
-        "graphguard.engine.kv",
+        "graphguard.engine.scheduling.kv",
         "graphguard.segmented.group",
     ]
 

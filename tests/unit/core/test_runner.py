@@ -270,6 +270,18 @@ def test_metrics_count_captures_replays_and_fallbacks(make_runner):
     assert samples[("graphguard_graph_resident_bytes", ())] == runner.stats()["resident_bytes"]
 
 
+def test_the_call_metric_is_every_runners_replays_plus_fallbacks(make_runner):
+    metrics = gg.GraphMetrics()
+    graphs = make_runner(metrics=metrics, buckets=gg.Buckets(batch=[2]))
+    eager = make_runner(metrics=metrics, enabled=False)
+    for _ in range(3):
+        graphs(*inputs(2))  # a capture that answers, then two replays
+    graphs(*inputs(3))  # unbucketed_shape
+    eager(*inputs(2))  # disabled
+    assert metrics.registry.get_sample_value("graphguard_calls_total") == 5
+    assert sum(r.stats()["calls"] for r in (graphs, eager)) == 5
+
+
 def test_one_log_line_per_capture_with_key_bytes_and_ms(make_runner, caplog):
     runner = make_runner()
     with caplog.at_level(logging.INFO, logger="graphguard"):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.engine.loader import LoadedModel, load_model
+from graphguard.engine.models.loader import LoadedModel, load_model
 
 # Nothing in these tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,7 +88,7 @@ class PagedDriver:
     """
 
     def __init__(self, model: Any, *, block_size: int = 4, num_blocks: int = 256) -> None:
-        from graphguard.engine.kv import PagedKVStorage
+        from graphguard.engine.scheduling.kv import PagedKVStorage
 
         config, weight = model.config, model.embed_tokens.weight
         self.model = model
@@ -113,14 +113,14 @@ class PagedDriver:
         self, tables: list[list[int]], chunks: list[list[int]], num_cached: list[int]
     ) -> torch.Tensor:
         """Logits ``[sum(len(chunk)), vocab]`` of each chunk, which follows num_cached tokens."""
-        from graphguard.engine.attention import AttentionMetadata
+        from graphguard.engine.models.attention import AttentionMetadata
 
         positions = [list(range(n, n + len(c))) for n, c in zip(num_cached, chunks, strict=True)]
         seq_lens = [n + len(c) for n, c in zip(num_cached, chunks, strict=True)]
         query_lens = [len(c) for c in chunks]
         slots = [self.slot(t, p) for t, ps in zip(tables, positions, strict=True) for p in ps]
         meta = AttentionMetadata(
-            is_prefill=True,
+            packed=True,
             slot_mapping=self._long(slots),
             block_tables=self._tables(tables, max(len(t) for t in tables)),
             seq_lens=self._int(seq_lens),
@@ -143,15 +143,15 @@ class PagedDriver:
         num_pad_rows: int = 0,
     ) -> torch.Tensor:
         """Logits ``[len(tokens) + num_pad_rows, vocab]`` of one decode step."""
-        from graphguard.engine.attention import AttentionMetadata
-        from graphguard.engine.kv import PagedKVStorage
+        from graphguard.engine.models.attention import AttentionMetadata
+        from graphguard.engine.scheduling.kv import PagedKVStorage
 
         dummy = PagedKVStorage.DUMMY_BLOCK
         width = width or max(len(t) for t in tables)
         num_real = len(tokens)
         slots = [self.slot(t, p) for t, p in zip(tables, positions, strict=True)]
         meta = AttentionMetadata(
-            is_prefill=False,
+            packed=False,
             slot_mapping=self._long(slots + [0] * num_pad_rows),
             block_tables=self._tables(tables + [[dummy]] * num_pad_rows, width),
             seq_lens=self._int([p + 1 for p in positions] + [1] * num_pad_rows),
@@ -182,7 +182,7 @@ class PagedDriver:
         return torch.tensor(values, dtype=torch.int32, device=self.kv.k_cache[0].device)
 
     def _tables(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        from graphguard.engine.kv import PagedKVStorage
+        from graphguard.engine.scheduling.kv import PagedKVStorage
 
         padded = [t + [PagedKVStorage.DUMMY_BLOCK] * (width - len(t)) for t in tables]
         return self._int(padded)

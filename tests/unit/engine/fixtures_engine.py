@@ -15,8 +15,8 @@ import torch
 
 from graphguard.engine.config import engine_config
 from graphguard.engine.engine import LLMEngine, RequestOutput
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams
 
 SMALL_ENGINE = {
     "max_num_seqs": 4,

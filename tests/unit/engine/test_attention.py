@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphguard.engine.attention import (
+from graphguard.engine.models.attention import (
     MAX_GROUP_AREA,
     MAX_GROUPED_LEN,
     MAX_PAD_RATIO,
@@ -128,7 +128,7 @@ def prefill_meta(table: list[int], seq_len: int, query_len: int) -> AttentionMet
     positions = range(seq_len - query_len, seq_len)
     slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
     return AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=torch.tensor(slots),
         block_tables=torch.tensor([table], dtype=torch.int32),
         seq_lens=torch.tensor([seq_len], dtype=torch.int32),
@@ -214,7 +214,7 @@ def test_grouped_prefill_with_a_continued_prefill_equals_one_at_a_time() -> None
     def meta(grouped: bool) -> AttentionMetadata:
         plan = plan_prefill_groups if grouped else per_sequence_groups
         return AttentionMetadata(
-            is_prefill=True,
+            packed=True,
             slot_mapping=torch.tensor(slots),
             block_tables=torch.tensor(tables, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -237,7 +237,7 @@ def grouped_meta(lens: list[int], grouped: bool) -> AttentionMetadata:
     starts = [sum(lens[:i]) for i in range(len(lens) + 1)]
     plan = plan_prefill_groups if grouped else per_sequence_groups
     return AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=torch.zeros(sum(lens), dtype=torch.int64),
         block_tables=torch.zeros(len(lens), 1, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from graphguard.core.sim import SimBackend
-from graphguard.engine.capture_pacing import CapturePacing
-from graphguard.engine.config import GraphConfig
+from graphguard.engine.config import CapturePacing, GraphConfig
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion, token_ids_of
 
@@ -124,7 +123,7 @@ def test_reload_cancels_the_capture_in_flight(tiny, slow_capture):
     try:
         add(engine, "a")
         step_until_capture_in_flight(engine)
-        backend = engine.graphs.decode.runner.backend
+        backend = engine.graphs.decode.backend
         engine.reload_weights({k: v * 0.5 for k, v in engine.model.state_dict().items()})
         stats = engine.graphs.stats()
         assert not engine.has_capture_in_flight() and stats["captures_cancelled"] == 1
@@ -142,7 +141,7 @@ def test_shutdown_cancels_the_capture_in_flight(tiny, slow_capture):
     add(engine, "a")
     step_until_capture_in_flight(engine)
     graphs = engine.graphs
-    backend = graphs.decode.runner.backend
+    backend = graphs.decode.backend
     engine.shutdown()
     assert not graphs.has_capture_in_flight and not engine.has_capture_in_flight()
     assert graphs.stats()["captures_cancelled"] + graphs.stats()["prefill"]["captures_cancelled"]
@@ -182,7 +181,7 @@ def test_no_unit_runs_in_a_step_that_prefills_a_waiting_request(tiny, slow_captu
     try:
         add(engine, "a")
         step_until_capture_in_flight(engine)  # its next unit is the (slow) capture
-        backend = engine.graphs.decode.runner.backend
+        backend = engine.graphs.decode.backend
         captures = backend.num_captures
         add(engine, "b")
         outputs = engine.step()
@@ -206,7 +205,7 @@ def test_a_queue_that_never_empties_puts_a_capture_off_a_bounded_number_of_steps
     try:
         add(engine, "a", max_tokens=20)
         step_until_capture_in_flight(engine)
-        backend = engine.graphs.decode.runner.backend
+        backend = engine.graphs.decode.backend
         captures = backend.num_captures
         add(engine, "b")  # waits behind "a" (one sequence at a time)
         counts = []

@@ -1,11 +1,12 @@
-"""How much of a step a capture in flight may take (graphguard/engine/capture_pacing.py): no unit
+"""How much of a step a capture in flight may take (graphguard/engine/graphs/pacing.py): no unit
 while prefills are pending, within a bound of steps in a row; else units up to a time slice."""
 
 from __future__ import annotations
 
 import pytest
 
-from graphguard.engine.capture_pacing import CapturePacer, CapturePacing
+from graphguard.engine.config import CapturePacing
+from graphguard.engine.graphs.pacing import CapturePacer
 
 
 class FakeCapture:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from graphguard.engine.images import expand_image_tokens
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.images import expand_image_tokens
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     make_engine,
     one_torch_thread,

@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from graphguard.engine.config import GraphConfig, engine_config
-from graphguard.engine.decode_graphs import warmup_shapes
-from graphguard.engine.forward import EagerForward
-from graphguard.engine.graphs import EngineGraphs, GraphCapability, check_capability
-from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage, width_bucket
-from graphguard.engine.model_runner import prefill_token_bucket, warmup_prefill_tokens
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.graphs.component import EngineGraphs, GraphCapability, check_capability
+from graphguard.engine.models.forward import EagerForward
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.shapes import (
+    MIN_WIDTH_BLOCKS,
+    prefill_token_bucket,
+    warmup_prefill_tokens,
+    warmup_shapes,
+    width_bucket,
+)
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.kv_checks import changed_slots, last_decode_slots
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     GREEDY,
@@ -133,7 +138,7 @@ def test_reload_invalidates_graphs_before_the_new_weights_are_used(embedded_mode
         generate(engine, max_tokens=4, prompts={"a": PROMPTS["a"]})
         settle(engine)
         assert engine.graphs.stats()["entries"] > 0
-        captured = engine.graphs.decode.runner._cache.entries()
+        captured = engine.graphs.decode._cache.entries()
         seen = []
         load = engine.model.load_state_dict
 
@@ -177,7 +182,7 @@ def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim", prefill_graphs=False)
     try:
         assert isinstance(engine.graphs, EngineGraphs) and engine.graphs.prefill is None
-        assert engine.runner.prefill_fn == engine.forward.prefill
+        assert engine.runner.graphs is engine.graphs
         generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
         settle(engine)
         generate(engine, max_tokens=3, prompts={"a": PROMPTS["a"]})
@@ -187,7 +192,7 @@ def test_prefill_graphs_can_be_off_while_decode_graphs_stay_on(embedded_model):
     default = make_engine(embedded_model, graph_backend="sim")
     try:
         assert default.graphs is not None and default.graphs.prefill is not None
-        assert default.runner.prefill_fn is default.graphs.prefill
+        assert default.runner.graphs is default.graphs
     finally:
         default.shutdown()
 
@@ -206,7 +211,7 @@ def test_shutdown_releases_graphs(embedded_model):
 def test_warmup_captures_all_padding_keys_largest_first(embedded_model):
     engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(1, 2))
     try:
-        report = engine.graphs.decode.warmup(batch_sizes=(1, 2), widths=(1, 2), progress=False)
+        report = engine.graphs.warm_decode(batch_sizes=(1, 2), widths=(1, 2), progress=False)
         assert len(report.captured) == 4 and not report.skipped
         assert engine.kv.num_used_blocks == 0
     finally:
@@ -272,7 +277,7 @@ def test_prefills_of_nearby_lengths_share_one_prefill_graph(embedded_model):
                 eager, max_tokens=2, prompts=prompt
             )
             settle(graphs)
-        prefill = graphs.graphs.prefill.stats()
+        prefill = graphs.graphs.stats()["prefill"]
         assert prefill["groups"] == 1 and prefill["captures"] == 1, prefill
         assert prefill["replays"] >= 1  # the third prompt replayed the second one's graph
     finally:
@@ -340,7 +345,7 @@ def test_a_batch_without_its_graph_rides_a_larger_one_and_writes_only_its_own_sl
     eager = make_engine(embedded_model, enforce_eager=True)
     engine = make_engine(embedded_model, graph_backend="sim", batch_buckets=(1, 2, 4))
     try:
-        engine.graphs.decode.warmup([4], [MIN_WIDTH_BLOCKS], progress=False)
+        engine.graphs.warm_decode([4], [MIN_WIDTH_BLOCKS], progress=False)
         prompt = {"b": PROMPTS["b"]}
         params = SamplingParams(temperature=0.0, max_tokens=6)
         engine.add_request("b", engine.tokenizer.encode(PROMPTS["b"]), params)

@@ -1,4 +1,4 @@
-"""A decode step's inputs in one packed copy (graphguard/engine/decode_inputs.py): the values
+"""A decode step's inputs in one packed copy (graphguard/engine/step/decode_inputs.py): the values
 come back as given, and every view starts on a 16-byte boundary whatever the batch (Triton
 compiles a kernel again for a pointer that is not)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.decode_inputs import DecodeInputs
+from graphguard.engine.step.decode_inputs import DecodeInputs
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 16])

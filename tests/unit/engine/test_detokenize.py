@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from graphguard.engine.detokenize import IncrementalDetokenizer
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.tokenizer import Tokenizer
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.detokenize import IncrementalDetokenizer
+from graphguard.engine.tokens.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import (
     GREEDY,
     generate_alone,
@@ -75,7 +75,7 @@ def test_decode_fn_runs_decode_rows_only_and_mixed_steps_keep_request_order(
     embedded_model: LoadedModel, prompt_ids: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = make_engine(embedded_model)
-    default_decode = engine.runner.decode_fn
+    default_decode = engine.forward.decode
     batch_sizes: list[int] = []
 
     def counting_decode(ids, positions, block_tables, seq_lens, slots):
@@ -85,7 +85,7 @@ def test_decode_fn_runs_decode_rows_only_and_mixed_steps_keep_request_order(
         batch_sizes.append(num_seqs)
         return default_decode(ids, positions, block_tables, seq_lens, slots)
 
-    engine.runner.decode_fn = counting_decode
+    engine.forward.decode = counting_decode  # type: ignore[method-assign]
     _add_all(engine, prompt_ids[:2], [4, 6])
     outputs = [engine.step(), engine.step()]  # prefill only, then decode only
     engine.add_request("r2", prompt_ids[2], SamplingParams(temperature=0.0, max_tokens=8))
@@ -157,13 +157,13 @@ def test_padded_rows_from_decode_fn_never_reach_the_sampler(
     embedded_model: LoadedModel, prompt_ids: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = make_engine(embedded_model)
-    default_decode = engine.runner.decode_fn
+    default_decode = engine.forward.decode
 
     def padding_decode(ids, positions, block_tables, seq_lens, slots):
         logits = default_decode(ids, positions, block_tables, seq_lens, slots)
         return torch.cat([logits, torch.full_like(logits, float("nan"))])  # as a graph bucket
 
-    engine.runner.decode_fn = padding_decode
+    engine.forward.decode = padding_decode  # type: ignore[method-assign]
     _add_all(engine, prompt_ids[:2], [3, 3])
     outputs = run_to_completion(engine)
     assert [token_ids_of(outputs[f"r{i}"]) for i in range(2)] == [alone[0][:3], alone[1][:3]]

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams, fork_seed
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams, fork_seed
 from graphguard.kernels.reference import TorchKernels
 from tests.unit.engine.fixtures_engine import (
     generate_alone,

@@ -13,9 +13,9 @@ import torch
 
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine, resolve_device, resolve_dtype
-from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import (
     GREEDY,
@@ -163,11 +163,12 @@ def test_a_failing_step_aborts_its_batch_and_frees_the_blocks(engine: LLMEngine)
     def broken(*args: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("device lost")
 
-    engine.runner.decode_fn = broken
+    working = engine.forward.decode
+    engine.forward.decode = broken  # type: ignore[method-assign]
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
     assert engine.kv.num_used_blocks == 0
-    engine.runner.decode_fn = engine.forward.decode
+    engine.forward.decode = working  # type: ignore[method-assign]
     [out] = engine.step()
     assert out.request_id == "a" and out.finish_reason == "abort"
     assert not engine.has_unfinished_requests()

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.scheduler import Scheduler
-from graphguard.engine.sequence import Sequence, SequenceStatus
-from graphguard.engine.structured import InvalidParamError
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.scheduling.scheduler import Scheduler
+from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus
+from graphguard.engine.tokens.sampling import SamplingParams
+from graphguard.engine.tokens.structured import InvalidParamError
 
 BLOCK_SIZE = 4
 

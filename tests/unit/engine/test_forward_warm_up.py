@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.forward import ROW_BUCKETS, EagerForward
-from graphguard.engine.kv import PagedKVStorage
 from graphguard.engine.models import build_model
+from graphguard.engine.models.forward import EagerForward
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.shapes import ROW_BUCKETS
 from graphguard.kernels.reference import TorchKernels
 from tests.kv_checks import changed_slots
 from tests.tiny import tiny_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.kv import OutOfBlocksError, PagedKVStorage
+from graphguard.engine.scheduling.kv import OutOfBlocksError, PagedKVStorage
 
 
 def make_kv(num_blocks: int = 8, block_size: int = 4) -> PagedKVStorage:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from graphguard.engine.llm import LLM, CompletionOutput
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import one_torch_thread  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from graphguard.engine.config import PRESETS
-from graphguard.engine.loader import (
+from graphguard.engine.models.loader import (
     LoadedModel,
     config_from_hf,
     config_to_hf,
     embedded_gguf_path,
     load_model,
 )
-from graphguard.engine.weights_cache import atomic_folder, cache_root, source_cache_folder
+from graphguard.engine.models.weights_cache import atomic_folder, cache_root, source_cache_folder
 
 
 def same_weights(a: LoadedModel, b: LoadedModel) -> bool:

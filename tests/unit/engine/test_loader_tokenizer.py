@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from graphguard.engine.loader import LoadedModel
+from graphguard.engine.models.loader import LoadedModel
 
 TEXTS = ["The capital of France is", "  leading spaces, émojis 🎉 and\nnewlines", "x=1+2"]
 CHATS = [

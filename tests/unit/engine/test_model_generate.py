@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.loader import LoadedModel
 from graphguard.engine.models import build_model
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.scheduling.kv import PagedKVStorage
 from tests.tiny import tiny_config
 
 PROMPTS = [

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.engine.loader import LoadedModel
+from graphguard.engine.models.loader import LoadedModel
 
 # float32 on CPU; the two implementations differ only in the order of float operations.
 TOL = {"rtol": 1e-4, "atol": 1e-4}

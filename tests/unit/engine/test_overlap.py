@@ -1,4 +1,4 @@
-"""Decode steps launched ahead (graphguard/engine/overlap.py): the same tokens as plain decode,
+"""Decode steps launched ahead (graphguard/engine/step/overlap.py): the same tokens as plain decode,
 whatever happens between steps while a step is in flight.
 
 On a CPU the step launched ahead runs at once, so these tests check the bookkeeping (which
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from graphguard.engine.engine import LLMEngine
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.overlap import decodes_ahead, resolve_overlap
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.sequence import Sequence, SequenceStatus
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus
+from graphguard.engine.step.overlap import decodes_ahead, resolve_overlap
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion, token_ids_of
 
 PROMPTS = ([5, 17, 301, 44, 9], [70, 71, 72], [900, 12, 12, 12, 12, 12, 12, 3, 8])

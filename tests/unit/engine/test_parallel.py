@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from graphguard.engine.config import ModelConfig
-from graphguard.engine.parallel.layers import split_range
-from graphguard.engine.parallel.shard import shard_plan
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.parallel_layers import split_range
+from graphguard.engine.models.shard import shard_plan
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.parallel_cases import NUM_TOKENS, PROMPT, run_leader
 from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion

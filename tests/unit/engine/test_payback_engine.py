@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import GraphConfig
-from graphguard.engine.decode_graphs import warmup_shapes
-from graphguard.engine.kv import MIN_WIDTH_BLOCKS
+from graphguard.engine.shapes import MIN_WIDTH_BLOCKS, warmup_shapes
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion
 from tests.unit.engine.test_background_capture import (  # noqa: F401
     SLOW_S,
@@ -19,13 +18,13 @@ from tests.unit.engine.test_background_capture import (  # noqa: F401
 
 
 def decode_key_rows(engine) -> list[int]:
-    return sorted(key.rows for key in engine.graphs.decode.runner.admitted_keys())
+    return sorted(key.rows for key in engine.graphs.decode.admitted_keys())
 
 
 def test_a_lazy_start_prices_captures_of_each_kind(tiny, slow_capture):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", price_captures=True)
     try:
-        decode, prefill = engine.graphs.decode.runner, engine.graphs.prefill.runner
+        decode, prefill = engine.graphs.decode, engine.graphs.prefill
         stats = engine.graphs.stats()
         # the decode ladder at each block-table width: the bucket that holds max_num_seqs,
         # 4, answers batches down to 1 at a pad factor of 16; the smallest prefill group

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import graphguard as gg
-from graphguard.engine.loader import LoadedModel
+from graphguard.engine.models.loader import LoadedModel
 from tests.unit.engine.fixtures_engine import one_torch_thread  # noqa: F401 (fixture)
 
 
@@ -22,7 +22,7 @@ def test_import_graphguard_does_not_import_the_engine():
 
 def test_the_offline_api_is_exported_from_the_package():
     from graphguard.engine.llm import LLM, CompletionOutput
-    from graphguard.engine.sampling import SamplingParams
+    from graphguard.engine.tokens.sampling import SamplingParams
 
     assert (gg.LLM, gg.SamplingParams, gg.CompletionOutput) == (
         LLM,

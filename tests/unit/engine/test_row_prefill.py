@@ -1,6 +1,6 @@
 """Short prefills run as rows: each token one row of decode attention over its sequence's paged
-context up to its own position (graphguard/engine/forward.py `prefills_as_rows`), eagerly and
-as whole graphs keyed by (token bucket, width bucket) (graphguard/engine/prefill_graphs.py).
+context up to its own position (graphguard/engine/models/forward.py `prefills_as_rows`), eagerly and
+as whole graphs keyed by (token bucket, width bucket) (graphguard/engine/graphs/runners.py).
 
 The reference kernel set runs no prefill as rows (its decode attention gathers every row's
 whole context); these tests turn rows on for it, as the Triton set has them on."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from graphguard.core.admission import AdmissionConfig
-from graphguard.engine import model_runner
 from graphguard.engine.config import GraphConfig
-from graphguard.engine.forward import ROW_PREFILL_TOKENS, prefills_as_rows
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.shapes import ROW_PREFILL_TOKENS, prefills_as_rows
+from graphguard.engine.step import model_runner
+from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels.reference import TorchKernels
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion, token_ids_of
 from tests.unit.engine.test_background_capture import tiny  # noqa: F401
@@ -98,7 +98,7 @@ def test_rows_prefill_graphs_are_captured_by_bucket_and_replayed(tiny, rows_on):
             got.update({rid: token_ids_of(outs) for rid, outs in outputs.items()})
         rows = engine.graphs.stats()["prefill"]["rows"]
         assert rows["replays"] >= 1 and rows["captures"] >= 1
-        keys = engine.graphs.prefill.rows.admitted_keys()
+        keys = engine.graphs.prefill_rows.admitted_keys()
         assert len(rows["graphs"]) == len(keys) >= 1
         for key in keys:  # a token bucket (38 tokens: 64), the narrowest width bucket
             assert key.args[0].shape == (64,) and key.args[2].shape == (64, 8)
@@ -112,7 +112,7 @@ def test_rows_prefill_graphs_are_captured_by_bucket_and_replayed(tiny, rows_on):
 
 def test_reload_and_shutdown_retire_rows_graphs(tiny, rows_on):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", graphs=EARN_AT_ONCE)
-    rows = engine.graphs.prefill.rows
+    rows = engine.graphs.prefill_rows
     assert rows is not None
     engine.add_request("a", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
     run_to_completion(engine)
@@ -159,7 +159,7 @@ def test_a_warm_start_captures_each_token_bucket_at_the_widths_its_prompts_can_h
     # 4-token blocks, 64-token sequences: width buckets 8 and 16 blocks
     engine = make_engine(tiny, graph_backend="sim", warmup_graphs=True)
     try:
-        keys = engine.graphs.prefill.rows.admitted_keys()
+        keys = engine.graphs.prefill_rows.admitted_keys()
         shapes = sorted(tuple(key.args[2].shape) for key in keys)
         # up to 32 tokens one block table of 8 fits any prompt; 64 tokens may need 16
         assert shapes == [(16, 8), (32, 8), (64, 8), (64, 16), (128, 8), (128, 16),
@@ -173,13 +173,13 @@ def test_a_warm_start_captures_each_token_bucket_at_the_widths_its_prompts_can_h
 def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
     engine = make_engine(tiny, graph_backend="sim", price_captures=True)
     try:
-        rows = engine.graphs.prefill.rows
+        rows = engine.graphs.prefill_rows
         # the ladder of row buckets a pad factor of 4 apart, from the largest (this engine's
         # step budget, 256 tokens) down, at each table width they run as rows at: 256
         # answers packed prefills of 64 to 256 tokens, 32 those of 16 and 32
         shapes = sorted(tuple(key.args[2].shape) for key in rows.admitted_keys())
         assert shapes == [(32, 8), (256, 8), (256, 16)]
-        assert engine.graphs.prefill.knows_a_price
+        assert rows.policy.knows_a_price
     finally:
         engine.shutdown()
 
@@ -199,7 +199,7 @@ def test_a_lazy_starts_short_prefills_ride_the_priced_rows_graphs(tiny, rows_on)
             waves.update(run_to_completion(target))
             tokens.update({rid: token_ids_of(outs) for rid, outs in waves.items()})
         assert got == expected and len(got) == 9
-        rows = engine.graphs.prefill.stats()["rows"]
+        rows = engine.graphs.stats()["prefill"]["rows"]
         # the wave rode the 256-token graph, the late prompt the 32-token one
         assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (2, 2, {})
         # the ladder (256 tokens at two widths, 32 at one), taken at start; none since
@@ -215,7 +215,7 @@ def test_a_warm_start_captures_the_largest_row_bucket_for_short_prompts(tiny, ro
     settings = {"max_num_batched_tokens": 2048, "max_model_len": 512, "block_size": 16}
     engine = make_engine(tiny, graph_backend="sim", warmup_graphs=True, **settings)
     try:
-        shapes = {tuple(key.args[2].shape) for key in engine.graphs.prefill.rows.admitted_keys()}
+        shapes = {tuple(key.args[2].shape) for key in engine.graphs.prefill_rows.admitted_keys()}
         assert {(2048, 8), (2048, 16), (2048, 32), (1024, 32), (16, 8)} <= shapes
         assert len(shapes) == 15  # 16-128 tokens: width 8; 256: 8, 16; 512-2,048: 8, 16, 32
         assert engine.graphs.stats()["prefill"]["captures"] == 0

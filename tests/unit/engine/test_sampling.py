@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from graphguard.engine.sampling import SamplingParams, make_generator, sample, token_logprobs
+from graphguard.engine.tokens.sampling import SamplingParams, make_generator, sample, token_logprobs
 
 VOCAB_SIZE = 64
 CPU = torch.device("cpu")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.scheduler import Scheduler
-from graphguard.engine.sequence import Sequence, SequenceStatus
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.scheduling.scheduler import Scheduler
+from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus
+from graphguard.engine.tokens.sampling import SamplingParams
 
 BLOCK_SIZE = 4
 

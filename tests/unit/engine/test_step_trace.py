@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.step_trace import TRACE_ENV
+from graphguard.engine.step.step_trace import TRACE_ENV
+from graphguard.engine.tokens.sampling import SamplingParams
 from tests.unit.engine.fixtures_engine import make_engine, run_to_completion
 
 

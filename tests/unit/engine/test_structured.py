@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.sampling import SamplingParams, fork_seed, sample
-from graphguard.engine.structured import (
+from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.sampling import SamplingParams, fork_seed, sample
+from graphguard.engine.tokens.structured import (
     GrammarCompiler,
     InvalidParamError,
     ResponseFormat,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from graphguard.engine.images import (
+from graphguard.engine.models.images import (
     ImageError,
     ImageLimits,
     decode_data_url,
@@ -18,7 +18,7 @@ from graphguard.engine.images import (
     load_image,
     open_image,
 )
-from graphguard.engine.vision import VisionConfig, build_vision_encoder, request_image_embeds
+from graphguard.engine.models.vision import VisionConfig, build_vision_encoder, request_image_embeds
 from tests.broken_images import broken_png_chunk
 
 LIMITS = ImageLimits()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.images import expand_image_tokens
-from graphguard.engine.prefill_graphs import PrefillGraphs
-from graphguard.engine.sampling import SamplingParams
-from graphguard.engine.sequence import Sequence
+from graphguard.engine.models.images import expand_image_tokens
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.tokens.sampling import SamplingParams
+from graphguard.segmented import SegmentedRunner
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     make_engine,
     one_torch_thread,
@@ -64,7 +64,7 @@ def test_image_requests_give_the_same_tokens_with_graphs_as_eager(embedded_model
         for round_ in range(3):  # the same shape three times: captured on the second
             requests = {f"r{round_}": (prompt, [image(round_)])}
             assert generate(graphs, requests) == generate(eager, requests)
-        stats = graphs.graphs.prefill.stats()
+        stats = graphs.graphs.stats()["prefill"]
         assert stats["captures"] == 1 and stats["replays"] == 2
     finally:
         eager.shutdown()
@@ -75,13 +75,13 @@ def test_segmented_prefill_logits_equal_eager_bitwise_with_new_images(embedded_m
     engine = make_engine(embedded_model, **GRAPHS_IN_STEP, **VISION_ENGINE)
     try:
         prefill = engine.graphs.prefill
-        assert isinstance(prefill, PrefillGraphs) and engine.runner.prefill_fn is prefill
+        assert isinstance(prefill, SegmentedRunner) and engine.runner.graphs is engine.graphs
         prompt = image_prompt(engine, "Describe it.")
         for seed in range(3):
             graphed = prefill_logits(engine, prompt, [image(seed)])
-            engine.runner.prefill_fn = engine.forward.prefill
+            engine.runner.graphs = None  # the same step, eagerly
             eager = prefill_logits(engine, prompt, [image(seed)])
-            engine.runner.prefill_fn = prefill
+            engine.runner.graphs = engine.graphs
             assert torch.equal(graphed, eager)
         assert prefill.stats()["replays"] == 2
     finally:
@@ -114,7 +114,7 @@ def test_prefill_graphs_follow_the_decode_capability_proof(embedded_model):
     eager = make_engine(embedded_model, enforce_eager=True, graph_backend="sim")
     auto = make_engine(embedded_model)
     try:
-        assert eager.graphs is None and eager.runner.prefill_fn == eager.forward.prefill
+        assert eager.graphs is None and eager.runner.graphs is None
         assert auto.graphs is None or torch.cuda.is_available()
     finally:
         eager.shutdown()

@@ -39,7 +39,7 @@ SCRIPT = """
 import json, torch
 from graphguard.engine.fidelity import compare, corpus_text, score_text, WINDOW_TOKENS
 from graphguard.engine.llm import LLM
-from graphguard.engine.loader import load_model
+from graphguard.engine.models.loader import load_model
 text = corpus_text()[:2000]  # the first window's worth
 scores, described = {}, {}
 for name, dtype, kernels in (("float32", "float32", "torch"), ("bfloat16", "bfloat16", "torch"),

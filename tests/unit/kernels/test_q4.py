@@ -16,8 +16,8 @@ from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.fidelity import Scored, compare, corpus_text, score_decode, score_text
 from graphguard.engine.llm import LLM
-from graphguard.engine.loader import load_model
-from graphguard.engine.sampling import SamplingParams
+from graphguard.engine.models.loader import load_model
+from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels import select_kernels
 from graphguard.kernels.q4 import GROUP, Q4Kernels, RescoredHead, pack_q4, q4_matmul
 

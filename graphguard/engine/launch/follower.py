@@ -16,13 +16,13 @@ import torch
 from graphguard.core.decisions import Decision
 from graphguard.core.export import model_identity
 from graphguard.engine.config import EngineConfig
-from graphguard.engine.decode_graphs import warmup_shapes
-from graphguard.engine.forward import EagerForward
-from graphguard.engine.graphs import EngineGraphs
-from graphguard.engine.kv_sizing import kv_storage
-from graphguard.engine.loader import LoadedModel
-from graphguard.engine.model_runner import ModelRunner, prefill_token_bucket
+from graphguard.engine.graphs.component import EngineGraphs
+from graphguard.engine.models.forward import EagerForward
+from graphguard.engine.models.loader import LoadedModel
 from graphguard.engine.parallel.ranks import BatchMessage, RankRole, RanksLost, Shutdown
+from graphguard.engine.scheduling.kv_sizing import kv_storage
+from graphguard.engine.shapes import warmup_shapes
+from graphguard.engine.step.model_runner import ModelRunner
 from graphguard.kernels import select_kernels
 
 log = logging.getLogger("graphguard")
@@ -57,13 +57,7 @@ class Follower:
             self.graphs = EngineGraphs(config.graphs, forward, device, identity, role)
             self.graphs.start(warmup_shapes(config, max_model_len))
         self.runner = ModelRunner(
-            model,
-            self.kv,
-            device,
-            decode_fn=self.graphs.decode_fn if self.graphs else forward.decode,
-            prefill_fn=forward.prefill,
-            prefill_bucket=prefill_token_bucket if config.graphs.prefill else None,
-            decode_bucket=self.graphs.decode_bucket if self.graphs else None,
+            forward, device, graphs=self.graphs, pad_prefills=config.graphs.prefill
         )
 
     def handle(self, message: Any) -> bool:
@@ -73,7 +67,7 @@ class Follower:
         if isinstance(message, Decision):  # between steps: the capture in flight
             if self.graphs is None:
                 raise RanksLost("rank 0 sent a graph decision, but this rank has no graphs")
-            self.graphs.decode.runner.follow_between_calls(message)
+            self.graphs.decode.follow_between_calls(message)
         elif isinstance(message, BatchMessage):
             with torch.no_grad():
                 self.runner.run(message.rebuild())

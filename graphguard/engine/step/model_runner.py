@@ -1,47 +1,44 @@
 """Turns a scheduled batch into model inputs and logits.
 
-Prefills run as one call over the packed tokens of all prefilling sequences, through
-``prefill_fn``, image rows spliced in. A short prefill without images runs as rows
-(forward.py `prefills_as_rows`): each token a row of decode attention over its sequence's
-context, padded like a decode batch. Decode rows go through ``decode_fn``; its inputs depend
-only on (num_seqs, width), with the block-table width padded up to a power-of-two number of
-blocks (at least MIN_WIDTH_BLOCKS) so that few shapes recur. Both functions are given when the
-runner is built: the eager ones (graphguard/engine/forward.py) or the engine's graphs of the
-same signatures.
+Each step's rows go to a graph runner of the engine's graphs (graphguard/engine/graphs) when
+graphs are on, else to the eager forward of the same signature (graphguard/engine/models/
+forward.py): one visible branch per kind of step. A runner replays a graph, or runs the same
+eager forward with one named reason.
+
+- Decode rows: one query token per sequence; the batch pads up to its batch bucket and the block
+  tables to a width (engine/shapes.py), so few shapes recur.
+- A short prefill without images runs as rows (shapes.py `prefills_as_rows`): each token a row
+  of decode attention over its sequence's context, padded like a decode batch.
+- Any other prefill runs as one packed call over the tokens of all prefilling sequences, image
+  rows spliced in, padded up to a token bucket when prefill graphs are asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
-from graphguard.engine.attention import AttentionMetadata, plan_prefill_groups
-from graphguard.engine.batch import ScheduledBatch
-from graphguard.engine.decode_inputs import DecodeInputs
-from graphguard.engine.forward import (
-    DECODE_PAD,
-    MIN_PREFILL_TOKENS,
-    POWER_OF_TWO_PREFILL_TOKENS,
-    ROW_PREFILL_TOKENS,
+from graphguard.engine.graphs.component import EngineGraphs
+from graphguard.engine.models.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.models.forward import (
+    EagerForward,
     ImageSplice,
+    PrefillContext,
     image_splice,
+    prefill_inputs,
+)
+from graphguard.engine.scheduling.batch import ScheduledBatch
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.shapes import (
+    DECODE_PAD,
+    prefill_token_bucket,
     prefills_as_rows,
     row_bucket,
-    row_meta,
+    width_bucket,
 )
-from graphguard.engine.kv import PagedKVStorage, width_bucket
-from graphguard.engine.models import DecoderModel
-from graphguard.engine.sampling import token_logprobs
-from graphguard.engine.sequence import Sequence
-
-# decode_fn(input_ids_gpu[B], positions_gpu[B], block_tables_gpu[B, W], seq_lens_gpu[B],
-#           slot_mapping_gpu[B]) -> logits[B, vocab] float32
-DecodeFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
-# prefill_fn(input_ids_gpu[T], positions_gpu[T], meta, image splice or None) -> hidden[T, hidden]
-PrefillFn = Callable[[Tensor, Tensor, AttentionMetadata, ImageSplice | None], Tensor]
-
+from graphguard.engine.step.decode_inputs import DecodeInputs
+from graphguard.engine.tokens.sampling import token_logprobs
 
 # Rows of prompt logits computed at once for prompt logprobs (bounds rows x vocab floats).
 PROMPT_LOGPROBS_CHUNK = 256
@@ -52,26 +49,22 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: DecoderModel,
-        kv: PagedKVStorage,
+        forward: EagerForward,
         device: torch.device,
         *,
-        decode_fn: DecodeFn,
-        prefill_fn: PrefillFn,
-        prefill_bucket: Callable[[int], int] | None = None,
-        decode_bucket: Callable[[int], int] | None = None,
+        graphs: EngineGraphs | None = None,
+        pad_prefills: bool = False,
     ) -> None:
-        self.model = model
-        self.kv = kv
+        self.forward = forward
+        self.model = forward.model
+        self.kv = forward.kv
         self.device = device
-        self.block_size = kv.block_size
-        self.decode_fn = decode_fn
-        self.prefill_fn = prefill_fn
-        # packed prefill tokens -> the count a prefill is padded up to (graphs: keys recur)
-        self.prefill_bucket = prefill_bucket
-        # decode rows -> the rows a decode batch is padded up to (the graphs' batch bucket),
-        # so the call fills its bucket and its inputs go to the graph in one copy each
-        self.decode_bucket = decode_bucket
+        self.block_size = forward.kv.block_size
+        self.graphs = graphs  # None: every step runs the eager forward
+        # NOTE: pad a packed prefill to a token bucket (graphed prefill is keyed by its token
+        # count, so keys recur). Padding follows the setting, not whether graphs could be
+        # built, so an engine computes the same tokens with graphs on, off or still earned.
+        self.pad_prefills = pad_prefills
         self.decode_inputs = DecodeInputs(device)
         self.row_inputs = DecodeInputs(device)  # a prefill's as rows (its views live apart)
 
@@ -105,13 +98,32 @@ class ModelRunner:
         num_tokens = len(input_ids)
         rows = row_bucket(num_tokens)
         if splice is None and prefills_as_rows(self.model.kernels, rows, max(seq_lens)):
-            pad_to = rows if self.prefill_bucket else num_tokens
+            pad_to = rows if self.pad_prefills else num_tokens
             hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, pad_to)
             return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
+        meta = self._packed_meta(seqs, chunks, input_ids, positions, slots)
+        ids_gpu = self._tensor(input_ids, torch.int64)
+        positions_gpu = self._tensor(positions, torch.int64)
+        hidden = self._run_packed(ids_gpu, positions_gpu, meta, splice)
+        # the real sequences' rows, not the padding
+        return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
+
+    def _packed_meta(
+        self,
+        seqs: list[Sequence],
+        chunks: list[int],
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+    ) -> AttentionMetadata:
+        """The metadata of a packed prefill, padded (in place: `input_ids`, `positions`,
+        `slots`) up to its token bucket when prefills pad."""
+        num_tokens = len(input_ids)
+        seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
         tables = [seq.block_table for seq in seqs]
-        pad = self.prefill_bucket(num_tokens) - num_tokens if self.prefill_bucket else 0
+        pad = prefill_token_bucket(num_tokens) - num_tokens if self.pad_prefills else 0
         if pad > 0:
             # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
             # attends only over itself, and no real row reads the dummy block.
@@ -123,8 +135,8 @@ class ModelRunner:
             query_lens.append(pad)
             tables = tables + [[dummy]]
         query_start_loc = _cumsum0(query_lens)
-        meta = AttentionMetadata(
-            is_prefill=True,
+        return AttentionMetadata(
+            packed=True,
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._table_tensor(tables, width),
             seq_lens=self._tensor(seq_lens, torch.int32),
@@ -133,10 +145,6 @@ class ModelRunner:
             query_lens_cpu=query_lens,
             prefill_groups=plan_prefill_groups(query_lens, seq_lens, self.device),
         )
-        ids_gpu = self._tensor(input_ids, torch.int64)
-        hidden = self.prefill_fn(ids_gpu, self._tensor(positions, torch.int64), meta, splice)
-        # the real sequences' rows, not the padding
-        return self._logits(seqs, chunks, hidden, query_start_loc[1 : len(seqs) + 1])
 
     def _prefill_rows(
         self,
@@ -157,8 +165,21 @@ class ModelRunner:
         ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu = _pack_rows(
             self.row_inputs, bucket, ids, positions, slots, tables
         )
-        meta = row_meta(slots_gpu, tables_gpu, lens_gpu)
-        return self.prefill_fn(ids_gpu, positions_gpu, meta, None)
+        args = (ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu)
+        rows = self.graphs.prefill_rows if self.graphs is not None else None
+        if rows is None:
+            return self.forward.rows(*args)
+        return rows(*args)  # a replay, or the same eager rows with one named reason
+
+    def _run_packed(
+        self, ids: Tensor, positions: Tensor, meta: AttentionMetadata, splice: ImageSplice | None
+    ) -> Tensor:
+        """Hidden states of a packed prefill: through the segment graphs, or eagerly."""
+        prefill = self.graphs.prefill if self.graphs is not None else None
+        if prefill is None:
+            return self.forward.prefill(ids, positions, meta, splice)
+        carry = prefill_inputs(self.model, ids, positions, splice)
+        return prefill(carry, PrefillContext(meta, self.kv))[0]
 
     def _logits(
         self, seqs: list[Sequence], chunks: list[int], hidden: Tensor, ends: list[int]
@@ -190,7 +211,7 @@ class ModelRunner:
         """One query token per sequence through ``decode_fn``; logits of the real rows.
 
         With ``ahead_ids`` (each row's next token, on the device, not appended yet) it is the
-        step after that: every sequence one position on (graphguard/engine/overlap.py)."""
+        step after that: every sequence one position on (graphguard/engine/step/overlap.py)."""
         shift = 0 if ahead_ids is None else 1
         positions = [seq.num_tokens - 1 + shift for seq in seqs]
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
@@ -198,12 +219,16 @@ class ModelRunner:
         ids = [seq.last_token_id for seq in seqs] if ahead_ids is None else [pad_id] * len(seqs)
         slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
         tables = [_padded_table(seq, width) for seq in seqs]
-        rows = self.decode_bucket(len(seqs)) if self.decode_bucket else len(seqs)
+        graphs = self.graphs
+        rows = graphs.decode_rows(len(seqs)) if graphs is not None else len(seqs)
         inputs = _pack_rows(self.decode_inputs, rows, ids, positions, slots, tables)
         if ahead_ids is not None:
             # on the device, ordered after the step that sampled them
             inputs[0][: len(seqs)].copy_(ahead_ids)
-        logits = self.decode_fn(*inputs)
+        if graphs is None:
+            logits = self.forward.decode(*inputs)
+        else:
+            logits = graphs.decode(*inputs)  # a replay, or the same eager decode with one reason
         return logits[: len(seqs)].float()
 
     def _slot(self, seq: Sequence, position: int) -> int:
@@ -252,26 +277,3 @@ def _cumsum0(lengths: list[int]) -> list[int]:
     for n in lengths:
         total.append(total[-1] + n)
     return total
-
-
-def prefill_token_bucket(num_tokens: int) -> int:
-    """The token count a packed prefill of `num_tokens` is padded up to, so that prefill graphs
-    keyed by token count recur under real traffic: the next power of two (at least 16) up to
-    POWER_OF_TWO_PREFILL_TOKENS, where a step's cost is its launches, not its rows, and a wave
-    of prompts split over two steps still lands on few keys; above it a multiple of a quarter
-    of the power of two below (128 for 512-1023, 256 for 1024-2047, ...), padding under 25%."""
-    if num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
-        return max(MIN_PREFILL_TOKENS, 1 << (num_tokens - 1).bit_length())
-    step = 1 << (num_tokens.bit_length() - 3)
-    return -(-num_tokens // step) * step
-
-
-def warmup_prefill_tokens(max_num_batched_tokens: int) -> list[int]:
-    """The prefill token buckets a warm start captures: the powers of two from 16 up to the
-    one that holds a step's token budget, at most ROW_PREFILL_TOKENS (the buckets that small
-    prompts, and waves of them, land on; larger keys are earned by traffic). Prefills run as
-    rows take them all; segmented groups those up to POWER_OF_TWO_PREFILL_TOKENS
-    (graphguard/engine/prefill_graphs.py)."""
-    top = min(ROW_PREFILL_TOKENS, row_bucket(max_num_batched_tokens))
-    first = MIN_PREFILL_TOKENS.bit_length() - 1
-    return [1 << i for i in range(first, top.bit_length())]  # top is a power of two

@@ -21,8 +21,8 @@ from torch import Tensor
 
 from graphguard.engine.config import ARCHITECTURES, ModelConfig
 from graphguard.engine.models import DecoderModel, build_model_from_weights
-from graphguard.engine.tokenizer import Tokenizer
-from graphguard.engine.weights_cache import atomic_folder, source_cache_folder
+from graphguard.engine.models.weights_cache import atomic_folder, source_cache_folder
+from graphguard.engine.tokens.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,24 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class CapturePacing:
-    """How much of a step a capture in flight may take (see module docstring)."""
-
-    max_deferred_steps: int = 8  # steps in a row a pending prefill may put a capture off...
-    max_deferred_ms: float = 200.0  # ...and for at least this long
-    slice_ms: float = 10.0  # capture work per step; a unit that starts inside it runs whole
-
-    def __post_init__(self) -> None:
-        if self.max_deferred_steps < 0:
-            raise ValueError(f"max_deferred_steps must be >= 0, got {self.max_deferred_steps}")
-        if self.max_deferred_ms < 0:
-            raise ValueError(f"max_deferred_ms must be >= 0, got {self.max_deferred_ms}")
-        if self.slice_ms < 0:
-            raise ValueError(f"slice_ms must be >= 0, got {self.slice_ms}")
+from graphguard.engine.config import CapturePacing
 
 
 class CapturePacer:

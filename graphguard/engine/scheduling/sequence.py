@@ -6,8 +6,8 @@ import enum
 
 import torch
 
-from graphguard.engine.sampling import SamplingParams, TokenLogprob
-from graphguard.engine.structured import TokenMatcher
+from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob
+from graphguard.engine.tokens.structured import TokenMatcher
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -29,7 +29,7 @@ class Sequence:
 
     ``forks`` are siblings (choices of one request with n > 1) waiting on this sequence's
     prefill: they hold no KV of their own until it completes, then each starts from its
-    prompt's KV (graphguard.engine.scheduler) and samples its first token from the same
+    prompt's KV (graphguard.engine.scheduling.scheduler) and samples its first token from the same
     logits. While this sequence is admitted, each fork's ``block_table`` holds the block
     reserved for its copy of the prompt's partly filled last block (if there is one).
     """
@@ -51,7 +51,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         # Image input: embeddings [len(image_positions), hidden] replace the input embeddings
-        # of the prompt tokens at image_positions during prefill (graphguard.engine.vision).
+        # of the prompt tokens at image_positions during prefill (graphguard.engine.models.vision).
         self.image_embeds: torch.Tensor | None = None
         self.image_positions: list[int] = []
         # params.prompt_logprobs: one entry per prompt token (None for the first), written by

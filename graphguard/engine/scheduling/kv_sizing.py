@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from graphguard.engine.config import EngineConfig, ModelConfig
-from graphguard.engine.kv import PagedKVStorage
-from graphguard.engine.sequence import num_blocks_for
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.scheduling.sequence import num_blocks_for
 
 KV_SHARE_OF_FREE_CUDA_MEMORY = 0.5  # the rest stays for weights' activations and graph pools
 KV_BYTES_ON_CPU = 1 << 30

@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from graphguard.engine.batch import PrefillChunk, ScheduledBatch
-from graphguard.engine.sequence import Sequence, SequenceStatus, num_blocks_for
-from graphguard.engine.structured import InvalidParamError
+from graphguard.engine.scheduling.batch import PrefillChunk, ScheduledBatch
+from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus, num_blocks_for
+from graphguard.engine.tokens.structured import InvalidParamError
 
 
 class BlockPool(Protocol):
@@ -134,7 +134,7 @@ class Scheduler:
 
     def may_step_ahead(self, seqs: list[Sequence]) -> bool:
         """Whether `seqs` are every running sequence, each decoding, with nothing waiting: the
-        next step would be exactly these rows (graphguard/engine/overlap.py)."""
+        next step would be exactly these rows (graphguard/engine/step/overlap.py)."""
         return (
             not self.waiting
             and len(seqs) == len(self.running)

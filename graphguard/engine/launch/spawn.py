@@ -3,7 +3,7 @@
 `start_ranks` spawns ranks 1..N-1 (torch.multiprocessing, spawn), joins them in one process
 group (NCCL on CUDA with one device per rank, gloo on CPU) plus a gloo group for messages,
 loads the model on each rank and keeps the rank's shard, and returns rank 0's LLMEngine. The
-followers loop on rank 0's messages (graphguard/engine/parallel/follower.py) until it shuts
+followers loop on rank 0's messages (graphguard/engine/launch/follower.py) until it shuts
 down. Every group carries `collective_timeout_s`; a follower that exits or stops answering
 ends rank 0's next step with RanksLost, and rank 0's exit ends the followers.
 
@@ -28,9 +28,10 @@ import torch.multiprocessing as mp
 
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine, resolve_device
-from graphguard.engine.loader import LoadedModel, load_model, resolve_dtype
-from graphguard.engine.parallel.follower import Follower
-from graphguard.engine.parallel.layers import ModelShard
+from graphguard.engine.launch.follower import Follower
+from graphguard.engine.models.loader import LoadedModel, load_model, resolve_dtype
+from graphguard.engine.models.parallel_layers import ModelShard
+from graphguard.engine.models.shard import build_shard, model_shard, shard_plan
 from graphguard.engine.parallel.ranks import (
     Channel,
     GroupAgreement,
@@ -39,7 +40,6 @@ from graphguard.engine.parallel.ranks import (
     follower_role,
     gather_reports,
 )
-from graphguard.engine.parallel.shard import build_shard, model_shard, shard_plan
 
 log = logging.getLogger("graphguard")
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0"}

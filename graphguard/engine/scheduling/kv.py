@@ -117,15 +117,3 @@ class PagedKVStorage:
     @property
     def is_released(self) -> bool:
         return not self.k_cache
-
-
-# The narrowest padded block table of a decode batch. Short sequences share one width instead of
-# earning a graph at 1, 2 and 4 blocks as they grow (the fused decode attention walks only a
-# sequence's real tokens, so a wider table costs it nothing; the reference one reads it all).
-MIN_WIDTH_BLOCKS = 8
-
-
-def width_bucket(num_blocks: int) -> int:
-    """The power of two >= num_blocks (at least MIN_WIDTH_BLOCKS): the padded block-table
-    width of a decode batch."""
-    return max(MIN_WIDTH_BLOCKS, 1 << max(0, num_blocks - 1).bit_length())

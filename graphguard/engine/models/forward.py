@@ -10,7 +10,7 @@ attention over the paged cache, host-side lengths), and the stage after it holds
 residual add and norm and the MLP; the next layer's stage before attention holds its residual
 add and norm, the q/k/v projection and RoPE. The ops are those of
 DecoderModel.forward in the same order, so the pipeline run eagerly gives the same hidden
-states; graphguard.segmented captures its capturable stages (engine/prefill_graphs.py), and the
+states; graphguard.segmented captures its capturable stages (engine/graphs/runners.py), and the
 same pipeline run eagerly is how image requests prefill when graphs are off.
 """
 
@@ -22,25 +22,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from graphguard.engine.attention import (
+from graphguard.engine.models import DecoderModel
+from graphguard.engine.models.attention import (
     AttentionMetadata,
     paged_prefill_attention,
     plan_prefill_groups,
 )
-from graphguard.engine.kv import MIN_WIDTH_BLOCKS, PagedKVStorage
-from graphguard.engine.models import DecoderModel
 from graphguard.engine.models.layers import DecoderLayer
+from graphguard.engine.scheduling.kv import PagedKVStorage
+from graphguard.engine.shapes import DECODE_PAD, MIN_PREFILL_TOKENS, MIN_WIDTH_BLOCKS, ROW_BUCKETS
 from graphguard.kernels.reference import write_kv
 from graphguard.segmented import Carry, Stage, run_eager, split_segments
 
 if TYPE_CHECKING:
-    from graphguard.engine.sequence import Sequence
-    from graphguard.kernels.reference import TorchKernels
-
-
-# Pad values of decode_fn's arguments, by position: token 0, position 0, block table -> dummy
-# block, sequence length 1 (a non-empty softmax), slot 0 (inside the dummy block).
-DECODE_PAD = (0, 0, PagedKVStorage.DUMMY_BLOCK, 1, PagedKVStorage.DUMMY_BLOCK)
+    from graphguard.engine.scheduling.sequence import Sequence
 
 
 def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ...]:
@@ -60,54 +55,17 @@ def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ..
     )
 
 
-MIN_PREFILL_TOKENS = 16  # the smallest token bucket of a packed prefill
-# Up to this many packed prefill tokens, a prefill pads to the next power of two
-# (model_runner.py `prefill_token_bucket`).
-POWER_OF_TWO_PREFILL_TOKENS = 512
-
-
 def row_meta(slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor) -> AttentionMetadata:
     """The metadata of rows that each attend over their own paged context (one query token
     per row, its K/V written first): decode_attention's calling convention."""
     num_rows = slot_mapping.shape[0]
     return AttentionMetadata(
-        is_prefill=False,
+        packed=False,
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         seq_lens=seq_lens,
         query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=slot_mapping.device),
     )
-
-
-# The largest packed prefill that runs as rows (`prefills_as_rows`), and its token buckets: the
-# powers of two from MIN_PREFILL_TOKENS up to it.
-ROW_PREFILL_TOKENS = 2048
-ROW_BUCKETS = tuple(
-    1 << i for i in range(MIN_PREFILL_TOKENS.bit_length() - 1, ROW_PREFILL_TOKENS.bit_length())
-)
-
-
-def row_bucket(num_tokens: int) -> int:
-    """The rows a prefill of `num_tokens` run as rows is padded to with graphs on: the next
-    power of two, at least MIN_PREFILL_TOKENS (a padding row costs a row of GEMMs and attends
-    over one slot of the dummy block)."""
-    return max(MIN_PREFILL_TOKENS, 1 << (num_tokens - 1).bit_length())
-
-
-def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:
-    """Whether a packed prefill of `num_tokens` tokens (padding included), none of whose
-    sequences attends over more than `longest_context` tokens, runs as rows: each token one
-    row of decode attention over its sequence's paged context up to its own position.
-
-    NOTE: the whole prefill is then one kernel sequence whose shapes depend only on (tokens,
-    table width): eagerly about as many launches as a decode step (grouped SDPA launched 8-12
-    per group and layer), and capturable as
-    one graph (graphguard/engine/prefill_graphs.py). Each row reads its whole context, so rows
-    are kept to prefills of short sequences: at most ROW_PREFILL_TOKENS tokens and the kernel
-    set's `row_prefill_area` (tokens x longest context; 0 where the set's decode attention
-    gathers the context, as the reference does)."""
-    area = num_tokens * longest_context
-    return num_tokens <= ROW_PREFILL_TOKENS and 0 < area <= kernels.row_prefill_area
 
 
 WARM_UP_ROWS = (1, 2, 16)  # one decode batch of each class of Triton's integer specialization
@@ -177,10 +135,7 @@ class EagerForward:
         meta: AttentionMetadata,
         splice: ImageSplice | None,
     ) -> Tensor:
-        """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in (a
-        prefill planned as rows, `prefills_as_rows`, is run as `rows`)."""
-        if not meta.is_prefill:
-            return self.rows(ids, positions, meta.block_tables, meta.seq_lens, meta.slot_mapping)
+        """Hidden states [T, hidden] of the packed prompt tokens, image rows spliced in."""
         return eager_prefill(self.model, self.kv, ids, positions, meta, splice)
 
 
@@ -198,7 +153,7 @@ def dummy_prefill_inputs(
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     meta = AttentionMetadata(
-        is_prefill=True,
+        packed=True,
         slot_mapping=dummy * block_size + positions % block_size,
         block_tables=torch.full((1, width), dummy, dtype=torch.int32, device=device),
         seq_lens=ints([num_tokens]),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from graphguard.engine.structured import InvalidParamError, ResponseFormat
+from graphguard.engine.tokens.structured import InvalidParamError, ResponseFormat
 
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -36,7 +36,7 @@ class SamplingParams:
     them, and the request's first output carries them). ``logit_bias`` adds its bias to its
     token's logit before anything else (OpenAI semantics: -100 bans a token, 100 all but
     forces it); ``response_format`` confines the output to a JSON grammar
-    (graphguard.engine.structured).
+    (graphguard.engine.tokens.structured).
     """
 
     max_tokens: int = 16
@@ -73,6 +73,15 @@ class SamplingParams:
         if torch.tensor(self.top_p, dtype=torch.float32).item() == 0.0:
             # the sampler compares in float32, where this top_p would keep no token at all
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (0 in float32)")
+        self._validate_counts()
+        self._validate_logit_bias()
+        if self.response_format is not None and not isinstance(
+            self.response_format, ResponseFormat
+        ):
+            raise InvalidParamError("response_format", "response_format must be a ResponseFormat")
+
+    def _validate_counts(self) -> None:
+        """Penalties, top_k, logprob counts, the seed and stop strings."""
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(
@@ -94,11 +103,6 @@ class SamplingParams:
             raise ValueError(f"seed must fit a signed 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        self._validate_logit_bias()
-        if self.response_format is not None and not isinstance(
-            self.response_format, ResponseFormat
-        ):
-            raise InvalidParamError("response_format", "response_format must be a ResponseFormat")
 
     def _validate_logit_bias(self) -> None:
         token_ids = [token_id for token_id, _ in self.logit_bias]

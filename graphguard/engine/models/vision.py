@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphguard.engine.images import ImageError, ImageLimits, image_positions
+from graphguard.engine.models.images import ImageError, ImageLimits, image_positions
 
 log = logging.getLogger("graphguard")
 

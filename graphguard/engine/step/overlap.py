@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from graphguard.engine.config import OVERLAP_CHOICES
-from graphguard.engine.sequence import Sequence
+from graphguard.engine.scheduling.sequence import Sequence
 
 
 class HostTokens:
@@ -88,5 +88,5 @@ def decodes_ahead(seq: Sequence, max_model_len: int) -> bool:
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
-    """The greedy choice of each row, as the sampler makes it (graphguard.engine.sampling)."""
+    """The greedy choice of each row, as the sampler makes it (engine/tokens/sampling.py)."""
     return torch.argmax(logits.float(), dim=-1)

@@ -142,17 +142,18 @@ def _build_group(
 class AttentionMetadata:
     """Where the current tokens' K/V go and what each sequence attends over.
 
-    ``is_prefill`` False: one query token per row, each over its own paged context (a decode,
-    or a short prefill run with its tokens as rows, graphguard/engine/forward.py)."""
+    ``packed``: the queries of each sequence are packed together (a packed prefill: varlen
+    attention over the paged cache). Else one query token per row, each over its own paged
+    context: a decode, or a short prefill run as rows (engine/shapes.py `prefills_as_rows`)."""
 
-    is_prefill: bool
+    packed: bool
     slot_mapping: Tensor  # [num_tokens] int64, on gpu: block * block_size + offset
     block_tables: Tensor  # [num_seqs, width] int32, on gpu, padded with DUMMY_BLOCK
     seq_lens: Tensor  # [num_seqs] int32, on gpu: context length incl. the new tokens
     query_start_loc: Tensor  # [num_seqs + 1] int32, on gpu: cumulative query lengths
-    seq_lens_cpu: list[int] | None = None  # prefill only (prefill is eager)
-    query_lens_cpu: list[int] | None = None  # prefill only
-    # prefill only: how the sequences share attention calls (None: plan_prefill_groups)
+    seq_lens_cpu: list[int] | None = None  # packed only (its attention is eager)
+    query_lens_cpu: list[int] | None = None  # packed only
+    # packed only: how the sequences share attention calls (None: plan_prefill_groups)
     prefill_groups: tuple[PrefillGroup, ...] | None = None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from graphguard.engine.sequence import Sequence
+from graphguard.engine.scheduling.sequence import Sequence
 
 
 class PrefillChunk(NamedTuple):

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from graphguard.engine.config import ModelConfig
 from graphguard.engine.models import DecoderModel, model_class
-from graphguard.engine.parallel.layers import ModelShard, split_range
+from graphguard.engine.models.parallel_layers import ModelShard, split_range
 
 
 @dataclass(frozen=True)

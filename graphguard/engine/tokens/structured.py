@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from graphguard.engine.tokenizer import Tokenizer
+    from graphguard.engine.tokens.tokenizer import Tokenizer
 
 # JSON as the grammar writes it unless the schema's "x-guidance" says otherwise: the
 # separators of json.dumps and no other whitespace, so a small model cannot wander into

@@ -1,0 +1,85 @@
+"""Captures at start: warm-up of decode keys and of prefill keys, on dummy inputs (as a capture
+between steps runs on), largest first, within the budgets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import Tensor
+
+from graphguard.core.capture import WarmupReport
+from graphguard.core.graph_runner import GraphRunner
+from graphguard.engine.models.forward import (
+    EagerForward,
+    dummy_prefill_inputs,
+    padding_decode_batch,
+    prefill_inputs,
+)
+from graphguard.engine.shapes import (
+    MIN_PREFILL_TOKENS,
+    MIN_WIDTH_BLOCKS,
+    POWER_OF_TWO_PREFILL_TOKENS,
+    row_widths,
+)
+from graphguard.segmented import SegmentedRunner
+from graphguard.segmented.group import carry_key
+
+
+def warm_decode(
+    runner: GraphRunner, batch_sizes: Iterable[int], widths: Iterable[int], progress: bool = True
+) -> WarmupReport:
+    """Capture the (batch, width) keys up front, largest first, within the byte budget. The
+    warm-up batches are all padding: every row reads and writes only the dummy block."""
+    device = runner.backend.device if runner.backend is not None else "cpu"
+    examples = [padding_decode_batch(b, w, device) for b in batch_sizes for w in widths]
+    return runner.warmup(examples, progress=progress)
+
+
+def warm_prefill(
+    forward: EagerForward,
+    rows: GraphRunner | None,
+    segmented: SegmentedRunner,
+    token_counts: Sequence[int],
+    widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
+    progress: bool = True,
+) -> WarmupReport:
+    """Capture the graphs of prefills of `token_counts` tokens: for a count that can run as
+    rows, one key per table width of `widths` that its prompts can have as rows (shapes.py
+    `row_widths`); for others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments. One
+    report for both."""
+    device = forward.model.embed_tokens.weight.device
+    examples: list[tuple[Tensor, ...]] = []
+    keys = []
+    for num_tokens in token_counts:
+        widths_as_rows = _row_widths(forward, rows, num_tokens, widths)
+        examples += [padding_decode_batch(num_tokens, w, device) for w in widths_as_rows]
+        if not widths_as_rows and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
+            ids, positions, _ = dummy_prefill_inputs(num_tokens, forward.kv, device)
+            keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None)))
+    report = WarmupReport()
+    if rows is not None and examples:
+        report = rows.warmup(examples, progress=progress)
+    if keys:
+        groups = segmented.warm_keys(keys, progress=progress)
+        report.captured += groups.captured
+        report.skipped.update(groups.skipped)
+        report.seconds += groups.seconds
+    return report
+
+
+def prefill_knows_a_price(
+    forward: EagerForward, rows: GraphRunner | None, segmented: SegmentedRunner
+) -> bool:
+    """Whether the runner of the shortest prefills has admitted a capture (payback's price,
+    graphguard/core/admission.py)."""
+    as_rows = _row_widths(forward, rows, MIN_PREFILL_TOKENS, (MIN_WIDTH_BLOCKS,))
+    runner = rows if as_rows and rows is not None else segmented
+    return runner.policy.knows_a_price
+
+
+def _row_widths(
+    forward: EagerForward, rows: GraphRunner | None, num_tokens: int, widths: Sequence[int]
+) -> list[int]:
+    if rows is None:
+        return []
+    return row_widths(forward.model.kernels, forward.kv.block_size, num_tokens, widths)
