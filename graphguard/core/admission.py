@@ -13,7 +13,9 @@ policy decides *whether* to capture, not only what to evict:
    used more often than each of them (count-min sketch with aging: TinyLFU);
 4. thrash backoff: a key evicted and recaptured `max_recaptures` times inside `thrash_window_s`
    is backed off exponentially (reason `thrashing`);
-5. quarantine: a failed capture or a parity mismatch backs the key off exponentially;
+5. quarantine: a failed capture or a parity mismatch backs the key off exponentially; a step
+   whose state a capture cannot put back (graphguard/core/state.py) is refused for good, with
+   the named reason;
 6. mode "prewarmed": only keys captured by warmup() may replay; lazy capture is off;
 7. payback (`payback` > 0; off by default, on in the engine): a key is captured only once its
    eager calls have cost `payback` times a capture's price more than replays of it would have.
@@ -115,6 +117,8 @@ class AdmissionPolicy:
         self.counters = AdmissionCounters()
         self.size_hints: dict[GraphKey, int] = {}  # bytes of a key's last capture
         self.prewarmed: set[GraphKey] = set()
+        # keys whose step writes state a capture cannot put back: eager for good, with the reason
+        self.refusals: dict[GraphKey, FallbackReason] = {}
         self._captures: deque[tuple[float, float]] = deque()  # (end time, seconds)
         self._evicted_at: dict[GraphKey, deque[float]] = {}
         self._quarantine: dict[GraphKey, _Backoff] = {}
@@ -221,7 +225,11 @@ class AdmissionPolicy:
         return price is None or self._excess.get(key, 0.0) >= self.config.payback * price
 
     def blocked_for_warmup(self, key: GraphKey) -> FallbackReason | None:
-        """Warm-up skips earned-capture and frequency rules, not quarantine or thrash backoff."""
+        """Warm-up skips earned-capture and frequency rules, not a refusal, quarantine or
+        thrash backoff."""
+        refusal = self.refusals.get(key)
+        if refusal is not None:
+            return refusal
         now = self.clock()
         if self._active(self._quarantine, key, now):
             return FallbackReason.QUARANTINED

@@ -26,7 +26,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from graphguard.core.cache import Retirable
 from graphguard.core.inputs import CallPlan
-from graphguard.core.reasons import CaptureOutcome
+from graphguard.core.reasons import CaptureOutcome, FallbackReason
+from graphguard.core.state import StateRefused, StepState
 
 E = TypeVar("E", bound=Retirable)  # what is captured: an entry, or a group of segment entries
 C = TypeVar("C")  # one call's arguments, as the runner's kind reads them
@@ -50,12 +51,22 @@ class Verdict:
     eager: Any = None
     outcome: CaptureOutcome | None = None
     error: BaseException | None = None
+    # the step's state (graphguard/core/state.py): after a pass it holds the first replay's
+    # writes, which a capture that answers no call, or is not admitted, undoes
+    state: StepState | None = None
+    refusal: FallbackReason | None = None  # with STATE_REFUSED: the named reason
 
     @classmethod
     def rejected(
         cls, outcome: CaptureOutcome, error: BaseException | None = None, eager: Any = None
     ) -> Verdict:
         return cls(eager=eager, outcome=outcome, error=error)
+
+    @classmethod
+    def refused(cls, error: StateRefused, eager: Any = None) -> Verdict:
+        """The step's state cannot be put back: the key runs eagerly for good."""
+        return cls(eager=eager, outcome=CaptureOutcome.STATE_REFUSED, error=error,
+                   refusal=error.reason)  # fmt: skip
 
 
 @dataclass
@@ -186,7 +197,8 @@ class CaptureJob(Generic[E, C]):
             work = units(candidate, call, self.plan)
             try:
                 while (verdict := next_unit(work)) is None:
-                    if reservation is not None and not reservation.cover(candidate.resident_bytes):
+                    held = candidate.resident_bytes + candidate.transient_bytes
+                    if reservation is not None and not reservation.cover(held):
                         return Verdict.rejected(CaptureOutcome.OVER_BUDGET)
                     yield
                 return verdict

@@ -119,6 +119,7 @@ class GraphEntry:
         self.owners: list[Any] = []
         self.resident_bytes = 0
         self.host_bytes = 0
+        self.transient_bytes = 0  # device bytes its capture holds outside the pool (state saved)
         self.capture_ms = 0.0
         self.replays = 0
         self.verified = "pending"

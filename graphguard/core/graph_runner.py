@@ -44,8 +44,16 @@ from graphguard.core.options import CaptureConfig
 from graphguard.core.prewarm import prewarm
 from graphguard.core.reasons import CaptureOutcome, FallbackReason
 from graphguard.core.runner import Clock, Runner
+from graphguard.core.state import (
+    PythonState,
+    Recorded,
+    StateOptions,
+    StateRefused,
+    StepState,
+    watch_step,
+)
 from graphguard.core.switch import resolve_backend
-from graphguard.core.verify import VerifyConfig, parity_error
+from graphguard.core.verify import ParityError, VerifyConfig, parity_error
 
 log = logging.getLogger("graphguard")
 
@@ -73,6 +81,8 @@ class SingleGraphs:
         # caller lets go of them, the admitted graphs are what keeps them alive.
         self.owners = list(options.retain)
         self.options = replace(options, retain=())
+        declared = None if options.state is None else tuple(options.state)
+        self._state = StateOptions(options.max_state_bytes, declared)
         self._device = backend.device if backend is not None else torch.device("cpu")
         # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
         # the call's signature and the runner's fixed settings, so it is remembered (bounded).
@@ -109,37 +119,93 @@ class SingleGraphs:
         return GraphEntry(key, self.backend)
 
     def capture(self, entry: GraphEntry, args: Args, plan: CallPlan) -> CaptureUnits:
-        """Capture, replay once and compare with eager. Units: static inputs and the first
-        warm-up, each further warm-up, the capture, the check."""
+        """Units: the static inputs, the record run (one eager execution, watched for the
+        step's state: graphguard/core/state.py) and the first warm-up; each further warm-up;
+        the capture; the first replay and its check against the record run, outputs and
+        state. Between units the state is as the call found it."""
         try:
             for owner in self.owners:
                 entry.retain(owner)
             static_args = make_static_args(entry, args, plan, self.buckets)
-            for _ in range(entry.backend.num_warmup):
-                entry.warm_up(self.fn)
-                yield
-            entry.capture(self.fn, static_args)
+            recorded = watch_step(self.fn, static_args, entry.backend.device, self._state)
         except CaptureError as exc:
             return Verdict.rejected(CaptureOutcome.FAILED, exc)
-        yield
-        outputs = entry.replay()
-        if self.verify.enabled:
-            # NOTE: eager runs on the padded static inputs, so it does not answer the call.
-            error = parity_error(entry.key, outputs, self.fn(*entry.static_args), self.verify)
-            if error is not None:
-                return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error)
+        except PythonState as refused:  # the record run stands as the call's execution
+            return Verdict.refused(refused, eager=slice_outputs(refused.outputs, plan, copy=True))
+        except StateRefused as refused:  # undone: the call runs eagerly as if nothing ran
+            return Verdict.refused(refused)
+        state = recorded.state
+        state.undo()
+        entry.transient_bytes = state.num_bytes
+        try:
+            yield from self._warm_and_capture(entry, static_args, state)
+            yield
+            outputs = entry.replay()
+            state.written()
+        except CaptureError as exc:
+            return Verdict.rejected(CaptureOutcome.FAILED, exc)
+        finally:
+            entry.transient_bytes = 0
+        error = self._check(entry, outputs, recorded, state)
+        if error is not None:
+            state.undo()
+            return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error)
         entry.verified = self.verify.mode  # the check it passed: "off" when none ran
-        return Verdict(outputs)
+        return Verdict(outputs, state=state if state.writes else None)
+
+    def _warm_and_capture(
+        self, entry: GraphEntry, static_args: list[Any], state: StepState
+    ) -> CaptureUnits:
+        """The warm-ups, each undone, then the capture (which runs nothing)."""
+        for _ in range(entry.backend.num_warmup):
+            entry.warm_up(self.fn)
+            state.written()
+            state.undo()
+            yield
+        entry.capture(self.fn, static_args)
+        # NOTE: a CUDA capture runs nothing; the simulation's runs the step once: undone too
+        state.written()
+        state.undo()
+        return Verdict()
+
+    def _check(
+        self, entry: GraphEntry, outputs: Any, recorded: Recorded, state: StepState
+    ) -> ParityError | None:
+        """The first replay against the record run: its outputs, then what it wrote.
+
+        NOTE: eager ran on the padded static inputs, so it does not answer the call."""
+        if not self.verify.enabled:
+            return None
+        error = parity_error(entry.key, outputs, recorded.outputs, self.verify)
+        if error is None and state.writes:
+            error = parity_error(entry.key, state.regions(), recorded.after, self.verify)
+            if error is not None:
+                error = ParityError(f"the state it wrote differs from eager's: {error}")
+        return error
 
     def replay(self, entry: GraphEntry, args: Args, plan: CallPlan) -> Replayed:
-        outputs = entry.replay(lambda: copy_inputs(entry, args, plan, self.buckets))
         every = self.verify.reverify_every
-        if every and self.verify.enabled and entry.replays % every == 0:
-            eager = self.fn(*entry.static_args)
-            error = parity_error(entry.key, outputs, eager, self.verify)
-            if error is not None:
-                answer = slice_outputs(eager, plan, copy=False)
-                return Replayed(answer, FallbackReason.PARITY_MISMATCH, drift=error)
+        if every and self.verify.enabled and (entry.replays + 1) % every == 0:
+            return self._reverified(entry, args, plan)
+        outputs = entry.replay(lambda: copy_inputs(entry, args, plan, self.buckets))
+        return Replayed(slice_outputs(outputs, plan, self.options.copy_outputs))
+
+    def _reverified(self, entry: GraphEntry, args: Args, plan: CallPlan) -> Replayed:
+        """A replay checked against eager: a watched eager run first (its writes undone),
+        then the replay, compared as at admission."""
+        copy_inputs(entry, args, plan, self.buckets)
+        try:
+            recorded = watch_step(self.fn, entry.static_args, entry.backend.device, self._state)
+        except StateRefused as refused:
+            return Replayed(None, FallbackReason.PARITY_MISMATCH, drift=refused)
+        recorded.state.undo()
+        outputs = entry.replay()
+        recorded.state.written()
+        error = self._check(entry, outputs, recorded, recorded.state)
+        if error is not None:
+            # the replay's writes stand in for eager's; the answer is eager's
+            return Replayed(slice_outputs(recorded.outputs, plan, copy=False), drift=error,
+                            reason=FallbackReason.PARITY_MISMATCH)  # fmt: skip
         return Replayed(slice_outputs(outputs, plan, self.options.copy_outputs))
 
     def admitted(self, entry: GraphEntry, outputs: Any, plan: CallPlan, mode: CaptureMode) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -54,7 +54,7 @@ def plan_call(
                     rows = shape[0]
                 elif shape[0] != rows:
                     return FallbackReason.UNBUCKETED_SHAPE  # inputs disagree on rows
-            parts.append((shape, arg.dtype, arg_device))
+            parts.append(_TensorPart(shape, arg.dtype, arg_device))
         else:
             try:
                 hash(arg)
@@ -73,8 +73,16 @@ def plan_call(
     return CallPlan(key, rows)
 
 
+class _TensorPart(NamedTuple):
+    """A tensor argument's shape, dtype and device (a constant argument may be a tuple too)."""
+
+    shape: Any
+    dtype: torch.dtype
+    device: torch.device
+
+
 def _spec(part: Any, padded: int | None = None) -> Any:
-    if not isinstance(part, tuple):
+    if not isinstance(part, _TensorPart):
         return part
     shape, dtype, device = part
     if padded is not None and shape:

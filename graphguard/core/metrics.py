@@ -133,6 +133,7 @@ class RunnerStats:
     capture_failures: int = 0
     parity_mismatches: int = 0
     captures_cancelled: int = 0
+    state_refusals: int = 0  # keys refused for state a capture cannot put back
     evictions: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)
 
@@ -181,6 +182,8 @@ class RunnerCounts:
                 self.stats.parity_mismatches += 1
             elif outcome is CaptureOutcome.CANCELLED:
                 self.stats.captures_cancelled += 1
+            elif outcome is CaptureOutcome.STATE_REFUSED:
+                self.stats.state_refusals += 1
 
     def drift(self) -> None:
         """A periodic re-verification found an admitted graph differing from eager."""

@@ -31,6 +31,10 @@ class CaptureConfig:
             the admission rules, but payback counts no eager time for it meanwhile.
         strict: re-raise capture failures and parity mismatches instead of falling back.
         enabled: False runs every call eagerly (reason `disabled`).
+        max_state_bytes: the most a capture may save of what the step writes in place (its
+            state, graphguard/core/state.py) to put it back; more: `state_too_large`.
+        state: the tensors the step may write in place, when declared; a write outside them
+            refuses capture (`undeclared_state`). Default: found by watching the step.
     """
 
     background: bool = False
@@ -42,8 +46,14 @@ class CaptureConfig:
     max_pad_factor: int = 1
     strict: bool = False
     enabled: bool = True
+    max_state_bytes: int = 1 << 30
+    state: Sequence[Any] | None = None
 
     def __post_init__(self) -> None:
         if self.max_pad_factor < 1:
             raise ValueError(f"max_pad_factor must be >= 1, got {self.max_pad_factor}")
         object.__setattr__(self, "retain", tuple(self.retain))
+        if self.state is not None:
+            object.__setattr__(self, "state", tuple(self.state))
+        if self.max_state_bytes < 0:
+            raise ValueError(f"max_state_bytes must be >= 0, got {self.max_state_bytes}")

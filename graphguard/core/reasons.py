@@ -29,6 +29,11 @@ class FallbackReason(enum.StrEnum):
     THRASHING = "thrashing"  # evicted and recaptured too often; backing off
     NOT_PREWARMED = "not_prewarmed"  # mode="prewarmed" and this key was not warmed up
     CLOSED = "closed"  # the runner was closed
+    # the step writes state a capture cannot put back (graphguard/core/state.py); for good:
+    UNOWNABLE_STATE = "unownable_state"  # a host tensor, or the step's own inputs
+    UNDECLARED_STATE = "undeclared_state"  # a write outside the state the caller declared
+    STATE_TOO_LARGE = "state_too_large"  # saving what it writes exceeds max_state_bytes
+    PYTHON_STATE = "python_state"  # it keeps tensors it created (state in Python objects)
 
 
 ALL_REASONS: tuple[FallbackReason, ...] = tuple(FallbackReason)
@@ -42,6 +47,7 @@ class CaptureOutcome(enum.StrEnum):
     PARITY_MISMATCH = "parity_mismatch"  # the first replay differed from eager; quarantined
     OVER_BUDGET = "over_budget"  # the graph alone does not fit the budget
     CANCELLED = "cancelled"  # a capture between calls, stopped by invalidate, close or the switch
+    STATE_REFUSED = "state_refused"  # the step's state cannot be put back; the key stays eager
 
 
 class EvictionCause(enum.StrEnum):

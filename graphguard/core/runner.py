@@ -263,13 +263,23 @@ class Runner(Generic[E, C]):
         return self.kind.capture(candidate, call, plan)
 
     def _settle(self, job: CaptureJob[E, C]) -> Outcome:
-        """Admit an ended capture's candidate, or reject it as its Verdict says."""
+        """Admit an ended capture's candidate, or reject it as its Verdict says.
+
+        NOTE: the step's state (the Verdict's `state`) keeps the first replay's writes only when
+        that replay answers the call: a rejected capture, or one that answers no call, puts it
+        back, so the caller observes exactly one execution of the step."""
         verdict, candidate = job.verdict, job.candidate
         assert verdict is not None and job.plan is not None
+        answers = verdict.outcome is None and job.mode is CaptureMode.ON_CALL
+        if verdict.state is not None and not answers:
+            verdict.state.undo()
         if verdict.outcome is CaptureOutcome.OVER_BUDGET:
             self.policy.size_hints[job.key] = candidate.resident_bytes
+        if verdict.refusal is not None:
+            self.policy.refusals[job.key] = verdict.refusal
         if verdict.outcome is not None:
-            return verdict.eager, self._reject(candidate, verdict.outcome, verdict.error)
+            reason = self._reject(candidate, verdict.outcome, verdict.error)
+            return verdict.eager, verdict.refusal or reason
         self._count_capture(job.key, candidate.resident_bytes)
         # NOTE: a warm-up capture never evicts: it must not displace graphs that calls earned.
         fits = (
@@ -277,6 +287,8 @@ class Runner(Generic[E, C]):
             or self._cache.victims_for(candidate.resident_bytes) == []
         )
         if not (fits and self._cache.admit(candidate)):
+            if verdict.state is not None:
+                verdict.state.undo()
             return verdict.eager, self._reject(candidate, CaptureOutcome.OVER_BUDGET, None)
         self._counts.capture(CaptureOutcome.ADMITTED)
         if job.mode is CaptureMode.ON_CALL:
@@ -287,23 +299,26 @@ class Runner(Generic[E, C]):
         return self.kind.admitted(candidate, verdict.outputs, job.plan, job.mode), None
 
     def _reject(self, candidate: E, outcome: CaptureOutcome, error: Any) -> FallbackReason:
-        """Retire a candidate that failed capture, parity or the budget; quarantine failures.
-        Returns the reason its call falls back with."""
+        """Retire a candidate that failed capture, parity, the budget or its state's check;
+        quarantine failures. Returns the reason its call falls back with."""
         candidate.retire()
         if self.backend is not None:
             self.backend.trim()
         self._counts.capture(outcome)
+        key = candidate.key.describe()
         if outcome is CaptureOutcome.OVER_BUDGET:
             log.info(
                 "graphguard over_budget key=%s bytes=%d budget=%d runner=%s",
-                candidate.key.describe(), candidate.resident_bytes, self._cache.max_bytes,
-                self.name,
+                key, candidate.resident_bytes, self._cache.max_bytes, self.name,
             )  # fmt: skip
+        elif outcome is CaptureOutcome.STATE_REFUSED:
+            log.warning("graphguard state refused key=%s why=%s runner=%s", key, error, self.name)
+            self._sync_gauges()
         else:
             self._quarantine(candidate.key, f"{outcome}: {error}")
             if self.options.strict and isinstance(error, Exception):
                 raise error
-        return REJECTED[outcome]
+        return REJECTED.get(outcome, FallbackReason.CAPTURE_FAILED)
 
     def _quarantine(self, key: GraphKey, why: str) -> None:
         delay = self.policy.quarantine(key)

@@ -60,6 +60,10 @@ class SegmentGroup:
         return sum(entry.resident_bytes for entry in self.entries)
 
     @property
+    def transient_bytes(self) -> int:
+        return sum(entry.transient_bytes for entry in self.entries)
+
+    @property
     def host_bytes(self) -> int:
         return sum(entry.host_bytes for entry in self.entries)
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 
 def padding_decode_batch(rows: int, width: int, device: Any) -> tuple[Tensor, ...]:
-    """decode_fn's arguments for `rows` padding rows of a `width`-block table: they read and
+    """decode's arguments for `rows` padding rows of a `width`-block table: they read and
     write only the dummy block."""
 
     def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> Tensor:
@@ -72,7 +72,7 @@ WARM_UP_ROWS = (1, 2, 16)  # one decode batch of each class of Triton's integer 
 
 
 class EagerForward:
-    """decode_fn and prefill_fn of one model over one paged KV cache, without graphs."""
+    """The step functions of one model over one paged KV cache, without graphs."""
 
     def __init__(self, model: DecoderModel, kv: PagedKVStorage) -> None:
         self.model = model
@@ -103,7 +103,7 @@ class EagerForward:
     ) -> Tensor:
         """Hidden states [B, hidden] of one query token per row, each over its paged context
         (its own K/V written first): a decode batch, or a prefill whose tokens are the rows
-        (`prefills_as_rows`). Takes decode_fn's arguments."""
+        (`prefills_as_rows`). Takes decode's arguments."""
         meta = row_meta(slot_mapping_gpu, block_tables_gpu, seq_lens_gpu)
         with torch.no_grad():
             return self.model(input_ids_gpu, positions_gpu, meta, self.kv)

@@ -40,7 +40,7 @@ class DecodeInputs:
         lens: list[int],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(ids, positions, block tables [B, W], lengths, slots) on the device, in the order
-        of decode_fn's arguments; `tables` rows are already padded to one width.
+        of decode's arguments; `tables` rows are already padded to one width.
 
         NOTE: each view starts on a 16-byte boundary, whatever the batch. Triton compiles a
         kernel again for a pointer that is not 16-byte aligned: packed end to end, an odd

@@ -208,7 +208,7 @@ class ModelRunner:
             scored += token_logprobs(logits, targets, [k] * len(targets))
 
     def decode(self, seqs: list[Sequence], ahead_ids: Tensor | None = None) -> Tensor:
-        """One query token per sequence through ``decode_fn``; logits of the real rows.
+        """One query token per sequence, through the decode graphs or eagerly; real rows' logits.
 
         With ``ahead_ids`` (each row's next token, on the device, not appended yet) it is the
         step after that: every sequence one position on (graphguard/engine/step/overlap.py)."""
@@ -257,7 +257,7 @@ def _pack_rows(
     slots: list[int],
     tables: list[list[int]],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """decode_fn's arguments for rows that each attend over their context up to their own
+    """decode's arguments for rows that each attend over their context up to their own
     position (a decode batch, or a prefill run as rows), packed in one copy and padded up to
     `rows` rows.
 

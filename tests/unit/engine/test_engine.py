@@ -71,7 +71,7 @@ def test_max_model_len_ends_a_request_with_length(embedded_model: LoadedModel) -
     assert (final.finish_reason, final.num_output_tokens) == ("length", 2)
 
 
-def test_decode_fn_runs_decode_rows_only_and_mixed_steps_keep_request_order(
+def test_decode_runs_decode_rows_only_and_mixed_steps_keep_request_order(
     embedded_model: LoadedModel, prompt_ids: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = make_engine(embedded_model)
@@ -153,7 +153,7 @@ def test_top_k_one_samples_the_greedy_tokens(
     assert generate_alone(embedded_model, prompt_ids[1], params) == alone[1][:4]
 
 
-def test_padded_rows_from_decode_fn_never_reach_the_sampler(
+def test_padded_rows_from_decode_never_reach_the_sampler(
     embedded_model: LoadedModel, prompt_ids: list[list[int]], alone: list[list[int]]
 ) -> None:
     engine = make_engine(embedded_model)

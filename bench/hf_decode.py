@@ -1,0 +1,186 @@
+"""A transformers causal LM's decode step: HF eager, graphguard, torch.compile, side by side.
+
+The same model (random bf16 weights, a transformers `StaticCache`) and the same decode step,
+`model(input_ids, past_key_values=cache, cache_position=...)`, three ways in one process:
+
+- eager: the step as transformers runs it;
+- graphguard: `graphguard.hf.GraphedCausalLM` (bounded, verified graphs of the step);
+- compile: `torch.compile(step, mode="reduce-overhead")` (CUDA graphs of compiled kernels).
+
+Per model and batch: ms per decode step, the first run's extra time (graphguard: its capture;
+compile: compiling), replays, whether the tokens equal eager's, and `memory_reserved()` growth.
+Targets (issue 27): graphguard within 1.1x of compile's step time at batch 1, at least 10x
+faster than eager, every token equal to eager's, reserved growth within the byte budget.
+
+    python bench/hf_decode.py [--shapes qwen3-0.6b,llama-1b] [--batches 1,8] [--new 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import write_json  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(
+        family="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    ),
+    "llama-1b": dict(
+        family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    ),
+}  # fmt: skip
+PROMPT = 32
+BUDGET = 4 << 30
+
+
+def build(shape: str) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    spec: dict[str, Any] = dict(SHAPES[shape])
+    family = spec.pop("family")
+    config_class, model_class = (
+        (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_class(**spec, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model: Any = model_class(config)
+    model = model.to(dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def timed(run: Any) -> tuple[Any, float]:
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    out = run()
+    torch.cuda.synchronize()
+    return out, time.perf_counter() - began
+
+
+def measure(model: Any, batch: int, new: int) -> dict[str, Any]:
+    """One model and batch, three ways (see module docstring)."""
+    import graphguard as gg
+    from graphguard.hf import GraphedCausalLM
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device="cuda")
+    eager = GraphedCausalLM(model, max_cache_len=PROMPT + new, backend="cuda",
+                            capture=gg.CaptureConfig(enabled=False))  # fmt: skip
+    reference, _ = timed(lambda: eager.generate(ids, max_new_tokens=new))
+    _, eager_s = timed(lambda: eager.generate(ids, max_new_tokens=new))
+    prefill = _prefill_s(eager, ids)
+    row: dict[str, Any] = dict(batch=batch, eager_ms=(eager_s - prefill) / (new - 1) * 1e3)
+
+    before = torch.cuda.memory_reserved()
+    graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET,
+                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
+    first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    again, graphed_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    stats = graphed.runner.stats()
+    row.update(
+        graphguard_ms=(graphed_s - prefill) / (new - 1) * 1e3,
+        graphguard_first_extra_s=first_s - graphed_s,
+        replays=stats["replays"],
+        fallbacks=stats["fallbacks"],
+        graphguard_equal=bool(torch.equal(first, reference) and torch.equal(again, reference)),
+        reserved_growth_bytes=torch.cuda.memory_reserved() - before,
+        graph_bytes=stats["resident_bytes"],
+        budget_bytes=BUDGET,
+    )
+    graphed.close()
+    row.update(_compiled(model, ids, new, reference, prefill))
+    return row
+
+
+def _prefill_s(runner: Any, ids: torch.Tensor) -> float:
+    """Seconds of the eager prefill alone (generate with one new token)."""
+    _, seconds = timed(lambda: runner.generate(ids, max_new_tokens=1))
+    return seconds
+
+
+def _compiled(
+    model: Any, ids: torch.Tensor, new: int, reference: torch.Tensor, prefill: float
+) -> dict[str, Any]:
+    """The same decode loop with the step compiled (mode reduce-overhead)."""
+    from graphguard.hf import GraphedCausalLM
+
+    holder = GraphedCausalLM(model, max_cache_len=PROMPT + new, backend="cuda")
+    step = torch.compile(holder._decode, mode="reduce-overhead")
+
+    def generate() -> torch.Tensor:
+        holder.cache.reset()
+        length = ids.shape[1]
+        out = model(input_ids=ids, past_key_values=holder.cache,
+                    cache_position=torch.arange(length, device="cuda"))  # fmt: skip
+        logits, tokens = out.logits[:, -1, :], [ids]
+        for i in range(new):
+            pick = logits.argmax(-1)
+            tokens.append(pick[:, None])
+            if i + 1 < new:
+                position = torch.tensor([length + i], device="cuda")
+                logits = step(pick[:, None], position, None).clone()
+        return torch.cat(tokens, dim=1)
+
+    try:
+        with torch.no_grad():
+            first, first_s = timed(generate)
+            again, seconds = timed(generate)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal to the other columns
+        return dict(compile_error=f"{type(exc).__name__}: {exc}"[:300])
+    return dict(
+        compile_ms=(seconds - prefill) / (new - 1) * 1e3,
+        compile_first_extra_s=first_s - seconds,
+        compile_equal=bool(torch.equal(again, reference)),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama-1b")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        model = build(shape)
+        for batch in map(int, args.batches.split(",")):
+            row = dict(shape=shape, **measure(model, batch, args.new))
+            rows.append(row)
+            print(_line(row), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    out = write_json("hf_decode.json", dict(rows=rows, new_tokens=args.new, prompt=PROMPT))
+    print(f"hf_decode -> {out}")
+    print(
+        "     shape  batch  eager ms  gg ms  compile ms  gg/compile  x eager  gg first s"
+        "  compile first s  equal gg/compile  reserved MiB"
+    )
+    for row in rows:
+        print(_line(row))
+
+
+def _line(row: dict[str, Any]) -> str:
+    compile_ms = row.get("compile_ms", float("nan"))
+    return (
+        f"{row['shape']:>10} {row['batch']:>6} {row['eager_ms']:9.2f} {row['graphguard_ms']:6.2f}"
+        f" {compile_ms:11.2f} {row['graphguard_ms'] / compile_ms:11.2f}"
+        f" {row['eager_ms'] / row['graphguard_ms']:8.1f} {row['graphguard_first_extra_s']:11.2f}"
+        f" {row.get('compile_first_extra_s', float('nan')):16.1f}"
+        f" {row['graphguard_equal']!s:>6}/{row.get('compile_equal', row.get('compile_error'))!s}"
+        f" {row['reserved_growth_bytes'] / 2**20:13.0f}  replays={row['replays']}"
+        f" fallbacks={row['fallbacks']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

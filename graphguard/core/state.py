@@ -1,0 +1,251 @@
+"""A step's state: the tensors it writes besides its outputs, and how a capture puts them back.
+
+Contract: **a capture attempt never changes what the caller observes.** A capture runs the step
+several times for one call (its check against eager, warm-ups, the first replay). A step that
+writes in place (a KV cache at a counter, the counter itself: Hugging Face's StaticCache) would
+append once per run. So the capture watches one eager run of the step under a dispatch mode
+(`watch_step`, the *record run*): every in-place write an op makes to a tensor that existed
+before the step is the step's state, and before the op runs the region it will write is saved
+(an `index_copy_` saves the few slots it writes, a counter one element; any other write the
+view it writes). `StepState.undo()` writes the saved regions back, last first, so each later
+run starts from the state the call found, and the capture leaves the state exactly as one
+execution would.
+
+What cannot be put back is refused, with a named reason, before it is written (the record run
+stops there and is undone): a write to a tensor on another device than the graphs' (a host
+tensor: `unownable_state`), to the step's own inputs (a graph writes its static copies, never
+the caller's tensors: `unownable_state`), outside a declared state (`undeclared_state`), or past
+`max_state_bytes` of saved regions (`state_too_large`). A step that keeps tensors it created
+(a cache that grows by concatenation: state in Python objects, which a graph would replay at
+stale addresses) is found after the record run and refused (`python_state`); that run then
+answers the call, so the step still ran once.
+
+Writes made by kernels outside PyTorch's dispatcher (a raw Triton launch) are not seen: they
+must write the same values each time the step runs (the engine's KV writes do), or be declared.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from graphguard.core.reasons import FallbackReason
+
+_INDEX_COPY = torch.ops.aten.index_copy_.default
+_INDEX_PUT = torch.ops.aten.index_put_.default
+_INDEX = torch.ops.aten.index.Tensor
+
+
+class StateRefused(Exception):
+    """The step writes state a capture cannot put back; `reason` names why."""
+
+    def __init__(self, reason: FallbackReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+
+
+@dataclass
+class StateOptions:
+    """How a capture treats the step's state: the bytes it may save, and, when declared, the
+    tensors it may write (a write outside them is refused)."""
+
+    max_state_bytes: int = 1 << 30
+    declared: tuple[torch.Tensor, ...] | None = None
+
+
+class _Write:
+    """One region the step wrote, with what it held before."""
+
+    def __init__(self, func: Any, target: torch.Tensor, args: tuple[Any, ...]) -> None:
+        self.target = target
+        self.index: Any = None
+        if func is _INDEX_COPY:
+            self.dim, self.index = args[1], args[2].clone()
+        elif func is _INDEX_PUT and not (len(args) > 3 and args[3]):  # accumulate: whole view
+            self.dim, self.index = None, [None if i is None else i.clone() for i in args[1]]
+        self.before = self.region().clone()
+
+    @property
+    def num_bytes(self) -> int:
+        return self.before.numel() * self.before.element_size()
+
+    def region(self) -> torch.Tensor:
+        """The written region as it is now."""
+        if self.index is None:
+            return self.target
+        if self.dim is not None:
+            return self.target.index_select(self.dim, self.index)
+        return _INDEX(self.target, self.index)
+
+    def undo(self) -> None:
+        if self.index is None:
+            self.target.copy_(self.before)
+        elif self.dim is not None:
+            self.target.index_copy_(self.dim, self.index, self.before)
+        else:
+            self.target.index_put_(self.index, self.before)
+
+
+@dataclass
+class StepState:
+    """The regions one execution of a step writes, and whether the state now holds that
+    execution's writes (`is_written`)."""
+
+    writes: list[_Write] = field(default_factory=list)
+    is_written: bool = True
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of saved regions (transient device memory while a capture runs)."""
+        return sum(write.num_bytes for write in self.writes)
+
+    def undo(self) -> None:
+        """Put back what the step's execution wrote (idempotent until it writes again)."""
+        if self.is_written:
+            for write in reversed(self.writes):
+                write.undo()
+            self.is_written = False
+
+    def written(self) -> None:
+        """The step ran once more from the undone state (a replay, a warm-up)."""
+        self.is_written = True
+
+    def regions(self) -> list[torch.Tensor]:
+        """Copies of the written regions as they are now (what an execution left there)."""
+        return [write.region().clone() for write in self.writes]
+
+
+@dataclass
+class Recorded:
+    """The record run: its outputs (copies), the state it wrote, and the regions after it."""
+
+    outputs: Any
+    state: StepState
+    after: list[torch.Tensor]
+
+
+class _Watch(TorchDispatchMode):
+    """Logs, before each op runs, the regions it writes in tensors that existed before the
+    step; remembers the tensors the step creates (to find those it keeps)."""
+
+    def __init__(self, device: torch.device, inputs: Sequence[Any], options: StateOptions):
+        super().__init__()
+        self.device = device
+        self.options = options
+        self.input_storages = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
+        self.declared = (
+            None if options.declared is None else {_storage(t) for t in options.declared}
+        )
+        self.created: set[int] = set()  # storages the step allocated
+        self.made: list[weakref.ref[torch.Tensor]] = []  # tensors the step allocated
+        self.state = StepState()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[position] if position < len(args) else kwargs.get(argument.name)
+                for target in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(target, torch.Tensor):
+                        self._before_write(func, target, args)
+        out = func(*args, **kwargs)
+        if all(r.alias_info is None for r in func._schema.returns):
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    self.created.add(_storage(tensor))
+                    self.made.append(weakref.ref(tensor))
+        return out
+
+    def _before_write(self, func: Any, target: torch.Tensor, args: tuple[Any, ...]) -> None:
+        storage = _storage(target)
+        if storage in self.created:
+            return  # a temporary of the step
+        if target.device != self.device:
+            raise StateRefused(FallbackReason.UNOWNABLE_STATE, f"writes a {target.device} tensor")
+        if storage in self.input_storages:
+            raise StateRefused(FallbackReason.UNOWNABLE_STATE, "writes its own inputs in place")
+        if self.declared is not None and storage not in self.declared:
+            raise StateRefused(
+                FallbackReason.UNDECLARED_STATE,
+                f"{func} writes a tensor outside the declared state",
+            )
+        write = _Write(func, target, args)
+        if self.state.num_bytes + write.num_bytes > self.options.max_state_bytes:
+            raise StateRefused(
+                FallbackReason.STATE_TOO_LARGE,
+                f"saving what it writes takes over {self.options.max_state_bytes} bytes",
+            )
+        self.state.writes.append(write)
+
+    def kept(self, outputs: Any, keep: Sequence[Any]) -> list[torch.Tensor]:
+        """Tensors the step created that are still alive and are neither its outputs nor held
+        here: something outside the step kept them (Python-side state)."""
+        mine = {id(t) for t in tree_flatten(outputs)[0]} | {id(t) for t in keep}
+        out_storages = {_storage(t) for t in tree_flatten(outputs)[0] if _is_tensor(t)}
+
+        def alive() -> list[torch.Tensor]:
+            found = [ref() for ref in self.made]
+            return [
+                t
+                for t in found
+                if t is not None and id(t) not in mine and _storage(t) not in out_storages
+            ]
+
+        if not alive():
+            return []
+        gc.collect()  # NOTE: a temporary in a reference cycle is alive until collected
+        return alive()
+
+
+def watch_step(
+    fn: Callable[..., Any], args: Sequence[Any], device: torch.device, options: StateOptions
+) -> Recorded:
+    """Run `fn(*args)` once eagerly, finding its state (see module docstring). Raises
+    StateRefused with the state undone for what cannot be put back, or, for Python-side state
+    (found after the run), with the run's outputs as `outputs` of the exception."""
+    watch = _Watch(device, args, options)
+    try:
+        with torch.no_grad(), watch:
+            raw = fn(*args)
+    except StateRefused:
+        watch.state.undo()
+        raise
+    except BaseException:
+        watch.state.undo()
+        raise
+    outputs = tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, raw)
+    keep = [w.target for w in watch.state.writes] + [w.index for w in watch.state.writes]
+    kept = watch.kept(raw, [k for k in keep if _is_tensor(k)])
+    if kept:
+        error = PythonState(len(kept), outputs)
+        del raw, kept
+        raise error
+    return Recorded(outputs, watch.state, watch.state.regions())
+
+
+class PythonState(StateRefused):
+    """The step kept tensors it created: state in Python objects, which cannot be put back.
+    The record run stands as the call's execution: `outputs` answer it."""
+
+    def __init__(self, num_kept: int, outputs: Any) -> None:
+        super().__init__(
+            FallbackReason.PYTHON_STATE,
+            f"the step kept {num_kept} tensors it created (state held in Python objects, "
+            "such as a cache that grows by concatenation)",
+        )
+        self.outputs = outputs
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)

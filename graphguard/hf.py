@@ -1,0 +1,169 @@
+"""Hugging Face transformers causal LMs with their decode steps through graphguard's graphs.
+
+`GraphedCausalLM(model)` holds a `transformers.StaticCache` and a GraphRunner of the model's
+decode step (one token per row over the static cache), and generates as `model.generate` does
+(greedy, or sampled with temperature, top-k and top-p): the prompt is prefilled eagerly, then
+every decode step replays a graph, or runs eagerly with one named reason. The step writes its
+cache in place and advances the cache's counter on the device: the runner finds that state on
+its own and puts it back around a capture (graphguard/core/state.py), so no capture changes a
+token of the output.
+
+A PEFT adapter loaded unmerged is part of the model: its weights are read by the graphs like any
+other. Which adapters are active (and whether adapters are disabled) changes the Python path the
+step takes, so it is part of each graph's key: switching adapters replays another graph, never a
+stale one.
+
+    from graphguard.hf import GraphedCausalLM
+    graphed = GraphedCausalLM(model, max_cache_len=2048)
+    tokens = graphed.generate(input_ids, max_new_tokens=128)
+    graphed.runner.stats()   # replays, fallbacks by reason, bytes, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import Backend
+from graphguard.core.graph_runner import GraphRunner
+from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
+from graphguard.core.verify import VerifyConfig
+
+
+class GraphedCausalLM:
+    """A transformers causal LM whose decode steps replay bounded, verified graphs.
+
+    Args:
+        model: a `transformers` causal LM (Llama, Qwen3, ...; a PEFT model too), in eval mode.
+        max_cache_len: the static cache's length: prompt plus generated tokens.
+        max_bytes, verify, admission, capture, backend, metrics: the GraphRunner's
+            (docs/runtime.md). Admission defaults to capturing a step's shape once seen twice.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_cache_len: int,
+        max_bytes: int = 4 << 30,
+        verify: str | VerifyConfig = "exact",
+        admission: AdmissionConfig | None = None,
+        capture: CaptureConfig | None = None,
+        backend: str | Backend = "auto",
+        metrics: GraphMetrics | None = None,
+    ):
+        from transformers import StaticCache
+
+        capture = capture or CaptureConfig()
+        self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        self.max_cache_len = max_cache_len
+        self.runner = GraphRunner(
+            self._decode,
+            max_bytes=max_bytes,
+            verify=verify,
+            admission=admission,
+            # NOTE: every graph keeps the weights and the cache it reads alive
+            capture=replace(capture, retain=(*capture.retain, model, self.cache)),
+            backend=backend,
+            metrics=metrics,
+            name="hf_decode",
+        )
+
+    def _decode(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
+        """Logits [B, vocab] of one token per row at `position` (a [1] tensor), over the cache.
+        `adapters` keys the graph by the active adapters (the step's Python path)."""
+        del adapters
+        out = self.model(
+            input_ids=ids, past_key_values=self.cache, cache_position=position, use_cache=True
+        )
+        return out.logits[:, -1, :]
+
+    def adapters(self) -> Hashable:
+        """What selects the step's Python path besides its tensors: the active PEFT adapters
+        and whether they are disabled (None for a model without adapters)."""
+        model = self.model
+        if getattr(model, "peft_config", None) is None and not getattr(
+            model, "_hf_peft_config_loaded", False
+        ):
+            return None
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        active = model.active_adapters
+        names = tuple(active() if callable(active) else active)
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        return names, any(layer.disable_adapters for layer in layers)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """The prompt `input_ids` [B, T] followed by `max_new_tokens` new tokens of each row,
+        chosen as `model.generate` chooses them (greedy unless `do_sample`)."""
+        batch, length = input_ids.shape
+        if length + max_new_tokens > self.max_cache_len:
+            raise ValueError(
+                f"{length} prompt tokens + {max_new_tokens} new exceed max_cache_len "
+                f"{self.max_cache_len}"
+            )
+        self.cache.reset()
+        device = input_ids.device
+        positions = torch.arange(length, device=device)
+        out = self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=positions)
+        logits = out.logits[:, -1, :]
+        tokens = [input_ids]
+        adapters = self.adapters()
+        for step in range(max_new_tokens):
+            pick = _sample(logits, do_sample, temperature, top_k, top_p, generator)
+            tokens.append(pick[:, None])
+            if step + 1 == max_new_tokens:
+                break
+            position = torch.tensor([length + step], device=device)
+            logits = self.runner(pick[:, None], position, adapters)
+        return torch.cat(tokens, dim=1)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def _sample(
+    logits: Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """The next token of each row: argmax, or a draw from the tempered, top-k and top-p
+    filtered distribution (the order transformers' logits processors apply them in)."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p)
+        drop[:, -1:] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+__all__ = ["GraphedCausalLM"]

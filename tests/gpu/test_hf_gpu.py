@@ -1,0 +1,108 @@
+"""transformers models under graphguard on CUDA: a step that writes its cache in place replays
+real graphs with every token equal to eager's, and no capture changes a token."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import graphguard as gg  # noqa: E402
+import graphguard.core.graph_runner as graph_runner  # noqa: E402
+from graphguard.core.verify import ParityError  # noqa: E402
+from graphguard.hf import GraphedCausalLM  # noqa: E402
+
+EAGER_FIRST = gg.AdmissionConfig(min_hits=1)
+SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=512,
+)
+
+
+def tiny(family: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config_class, model_class = (
+        (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    )
+    with torch.device("cuda"):
+        model = model_class(config_class(**SHAPE))
+    model = model.to(dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def prompt(rows: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rows)
+    return torch.randint(0, SHAPE["vocab_size"], (rows, 16), generator=g).cuda()
+
+
+def eager_tokens(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    eager = GraphedCausalLM(model, max_cache_len=64, capture=gg.CaptureConfig(enabled=False))
+    return eager.generate(ids, max_new_tokens=new)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_hf_decode_replays_graphs_with_eagers_tokens(family, rows):
+    model = tiny(family)
+    expected = eager_tokens(model, prompt(rows), 32)
+    graphed = GraphedCausalLM(model, max_cache_len=64, admission=EAGER_FIRST)
+    for _ in range(2):  # the capture's call, then a whole run of replays
+        assert torch.equal(graphed.generate(prompt(rows), max_new_tokens=32), expected)
+    stats = graphed.runner.stats()
+    assert stats["backend"] == "cuda" and stats["captures"] == 1
+    assert stats["replays"] == 62 and stats["fallbacks"] == {}
+    graphed.close()
+
+
+def test_a_rejected_capture_changes_no_token_on_cuda(monkeypatch):
+    model = tiny("qwen3")
+    expected = eager_tokens(model, prompt(1), 12)
+    monkeypatch.setattr(graph_runner, "parity_error", lambda *a: ParityError("forced"))
+    graphed = GraphedCausalLM(model, max_cache_len=64, admission=EAGER_FIRST)
+    assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), expected)
+    assert graphed.runner.stats()["parity_mismatches"] == 1
+    graphed.close()
+
+
+def test_reserved_growth_stays_within_the_budget():
+    model = tiny("llama")
+    eager_tokens(model, prompt(8), 8)  # the eager path's own blocks, cached first
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    budget = 256 << 20
+    graphed = GraphedCausalLM(model, max_cache_len=64, max_bytes=budget, admission=EAGER_FIRST)
+    graphed.generate(prompt(8), max_new_tokens=8)
+    torch.cuda.synchronize()
+    assert graphed.runner.stats()["captures"] == 1
+    assert torch.cuda.memory_reserved() - before <= budget
+    graphed.close()
+
+
+def test_a_peft_adapter_switch_replays_its_own_graph_on_cuda():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny("qwen3")
+    base = eager_tokens(model, prompt(1), 12)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapted = get_peft_model(model, lora).eval()
+    with_adapter = eager_tokens(adapted, prompt(1), 12)
+    assert not torch.equal(base, with_adapter)
+    graphed = GraphedCausalLM(adapted, max_cache_len=64, admission=EAGER_FIRST)
+    assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), with_adapter)
+    with adapted.disable_adapter():
+        assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), base)
+    assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), with_adapter)
+    assert graphed.runner.stats()["captures"] == 2
+    graphed.close()
