@@ -94,6 +94,9 @@ class EntryInfo:
     verified: str
     input_specs: list[dict[str, Any]]
     output_specs: list[dict[str, Any]]
+    # verify="spread": eager's own run-to-run spread and the graph's distance from eager
+    eager_spread: float | None = None
+    graph_error: float | None = None
 
 
 class GraphEntry:
@@ -123,6 +126,8 @@ class GraphEntry:
         self.capture_ms = 0.0
         self.replays = 0
         self.verified = "pending"
+        self.eager_spread: list[float] | None = None  # per output, with verify="spread"
+        self.graph_error: list[float] | None = None
         self.pin_count = 0  # > 0 while a replay is in progress; eviction skips pinned entries
 
     # -- ownership -------------------------------------------------------------------------
@@ -254,7 +259,13 @@ class GraphEntry:
                 for t in tree_flatten(self.static_outputs)[0]
                 if isinstance(t, torch.Tensor)
             ],
+            eager_spread=_largest(self.eager_spread),
+            graph_error=_largest(self.graph_error),
         )
+
+
+def _largest(values: list[float] | None) -> float | None:
+    return None if values is None else max(values, default=0.0)
 
 
 def _spec(t: torch.Tensor) -> dict[str, Any]:

@@ -217,6 +217,8 @@ def _graph_record(entry: GraphEntry, backend: str | None, read: InventoryReader)
         "host_bytes": info.host_bytes,
         "capture_ms": info.capture_ms,
         "parity": info.verified,
+        "eager_spread": info.eager_spread,
+        "graph_error": info.graph_error,
         "replays": info.replays,
         "inputs": info.input_specs,
         "outputs": info.output_specs,

@@ -21,6 +21,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend, CaptureError
@@ -53,7 +55,13 @@ from graphguard.core.state import (
     watch_step,
 )
 from graphguard.core.switch import resolve_backend
-from graphguard.core.verify import ParityError, VerifyConfig, parity_error
+from graphguard.core.verify import (
+    ParityError,
+    VerifyConfig,
+    max_abs_diffs,
+    parity_error,
+    spread_error,
+)
 
 log = logging.getLogger("graphguard")
 
@@ -136,6 +144,8 @@ class SingleGraphs:
             return Verdict.refused(refused)
         state = recorded.state
         state.undo()
+        if self.verify.mode == "spread":
+            entry.eager_spread = self._spread(static_args, recorded)
         entry.transient_bytes = state.num_bytes
         try:
             yield from self._warm_and_capture(entry, static_args, state)
@@ -176,12 +186,28 @@ class SingleGraphs:
         NOTE: eager ran on the padded static inputs, so it does not answer the call."""
         if not self.verify.enabled:
             return None
+        if self.verify.mode == "spread":
+            assert entry.eager_spread is not None
+            graph, eager = (outputs, state.regions()), (recorded.outputs, recorded.after)
+            entry.graph_error = max_abs_diffs(graph, eager)
+            return spread_error(entry.key, graph, eager, entry.eager_spread)
         error = parity_error(entry.key, outputs, recorded.outputs, self.verify)
         if error is None and state.writes:
             error = parity_error(entry.key, state.regions(), recorded.after, self.verify)
             if error is not None:
                 error = ParityError(f"the state it wrote differs from eager's: {error}")
         return error
+
+    def _spread(self, static_args: list[Any], recorded: Recorded) -> list[float]:
+        """verify="spread": eager once more from the same state (then undone); how far its
+        outputs and writes land from the record run's, per leaf."""
+        with torch.no_grad():
+            again = self.fn(*static_args)
+        state = recorded.state
+        state.written()
+        after = state.regions()
+        state.undo()
+        return max_abs_diffs((again, after), (recorded.outputs, recorded.after))
 
     def replay(self, entry: GraphEntry, args: Args, plan: CallPlan) -> Replayed:
         every = self.verify.reverify_every
@@ -204,7 +230,9 @@ class SingleGraphs:
         error = self._check(entry, outputs, recorded, recorded.state)
         if error is not None:
             # the replay's writes stand in for eager's; the answer is eager's
-            return Replayed(slice_outputs(recorded.outputs, plan, copy=False), drift=error,
+            eager = tree_map(lambda t: t.to(self._device) if isinstance(t, Tensor) else t,
+                             recorded.outputs)  # fmt: skip
+            return Replayed(slice_outputs(eager, plan, copy=False), drift=error,
                             reason=FallbackReason.PARITY_MISMATCH)  # fmt: skip
         return Replayed(slice_outputs(outputs, plan, self.options.copy_outputs))
 

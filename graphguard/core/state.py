@@ -117,14 +117,16 @@ class StepState:
         """The step ran once more from the undone state (a replay, a warm-up)."""
         self.is_written = True
 
-    def regions(self) -> list[torch.Tensor]:
-        """Copies of the written regions as they are now (what an execution left there)."""
-        return [write.region().clone() for write in self.writes]
+    def regions(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """Copies of the written regions as they are now (what an execution left there), on
+        `device` (default: where they live)."""
+        return [write.region().to(device, copy=True) for write in self.writes]
 
 
 @dataclass
 class Recorded:
-    """The record run: its outputs (copies), the state it wrote, and the regions after it."""
+    """The record run: its outputs, the state it wrote, and the regions after it (copies, on
+    the host)."""
 
     outputs: Any
     state: StepState
@@ -220,14 +222,15 @@ def watch_step(
     except BaseException:
         watch.state.undo()
         raise
-    outputs = tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, raw)
+    # NOTE: the record run's outputs and what it wrote are kept on the host until the check:
+    # held on the device through the warm-ups and the capture, they would add their bytes to
+    # the device's peak while the graph's pool grows.
     keep = [w.target for w in watch.state.writes] + [w.index for w in watch.state.writes]
     kept = watch.kept(raw, [k for k in keep if _is_tensor(k)])
     if kept:
-        error = PythonState(len(kept), outputs)
-        del raw, kept
-        raise error
-    return Recorded(outputs, watch.state, watch.state.regions())
+        raise PythonState(len(kept), raw)
+    outputs = tree_map(lambda t: t.detach().to("cpu", copy=True) if _is_tensor(t) else t, raw)
+    return Recorded(outputs, watch.state, watch.state.regions("cpu"))
 
 
 class PythonState(StateRefused):

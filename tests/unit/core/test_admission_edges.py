@@ -143,3 +143,14 @@ def test_an_eviction_exactly_one_thrash_window_old_still_counts(clock):
     clock.advance(60.0)
     record_capture(policy, KEY, 0.0, 1)
     assert policy.counters.thrash_backoffs == 1
+
+
+def test_a_key_refused_for_its_state_stays_eager_with_its_reason_at_warm_up_too():
+    policy = AdmissionPolicy(AdmissionConfig(min_hits=1), FakeClock())
+    key, other = GraphKey(("a",)), GraphKey(("b",))
+    policy.record_call(key)
+    policy.record_call(other)
+    policy.refusals[key] = FallbackReason.PYTHON_STATE
+    assert policy.blocked(key) is FallbackReason.PYTHON_STATE
+    assert policy.blocked_for_warmup(key) is FallbackReason.PYTHON_STATE
+    assert policy.blocked(other) is None and policy.blocked_for_warmup(other) is None
