@@ -63,7 +63,10 @@ def measure_batch(step: DecoderStep, runner: gg.GraphRunner, batch: int, iters: 
     ours = per_call_ms(lambda: runner(ids, pos), iters=iters)
     raw_ms = (raw_before + per_call_ms(lambda: raw(ids, pos), iters=iters)) / 2
     equal = torch.equal(runner(ids, pos), raw(ids, pos).clone())
-    capture_ms = max(e.capture_ms for e in runner._cache.entries() if e.key.rows == batch)
+    captured = [e.capture_ms for e in runner.entries() if e.rows == batch]
+    if not captured:  # no graph of this batch: say why rather than time eager as a replay
+        raise RuntimeError(f"batch {batch} was not captured: {runner.stats()['fallbacks']}")
+    capture_ms = max(captured)
     del graph
     return dict(
         batch=batch,

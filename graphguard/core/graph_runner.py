@@ -135,19 +135,20 @@ class SingleGraphs:
             for owner in self.owners:
                 entry.retain(owner)
             static_args = make_static_args(entry, args, plan, self.buckets)
-            recorded = watch_step(self.fn, static_args, entry.backend.device, self._state)
+            recorded = self._record(entry)
         except CaptureError as exc:
+            refused = exc.__cause__
+            if isinstance(refused, PythonState):  # the record run stands as the call's run
+                return Verdict.refused(refused, slice_outputs(refused.outputs, plan, copy=True))
+            if isinstance(refused, StateRefused):  # undone: the call runs as if nothing ran
+                return Verdict.refused(refused)
             return Verdict.rejected(CaptureOutcome.FAILED, exc)
-        except PythonState as refused:  # the record run stands as the call's execution
-            return Verdict.refused(refused, eager=slice_outputs(refused.outputs, plan, copy=True))
-        except StateRefused as refused:  # undone: the call runs eagerly as if nothing ran
-            return Verdict.refused(refused)
         state = recorded.state
         state.undo()
-        if self.verify.mode == "spread":
-            entry.eager_spread = self._spread(static_args, recorded)
         entry.transient_bytes = state.num_bytes
         try:
+            if self.verify.mode == "spread":
+                entry.eager_spread = self._spread(entry, recorded)
             yield from self._warm_and_capture(entry, static_args, state)
             yield
             outputs = entry.replay()
@@ -162,6 +163,18 @@ class SingleGraphs:
             return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error)
         entry.verified = self.verify.mode  # the check it passed: "off" when none ran
         return Verdict(outputs, state=state if state.writes else None)
+
+    def _record(self, entry: GraphEntry) -> Recorded:
+        """The record run, as a warm-up: on the entry's stream, allocating in its pool (its
+        blocks are those the warm-ups and the capture reuse), a failure a CaptureError whose
+        cause says why."""
+        found: list[Recorded] = []
+
+        def record(*static_args: Any) -> None:
+            found.append(watch_step(self.fn, static_args, entry.backend.device, self._state))
+
+        entry.warm_up(record)
+        return found[0]
 
     def _warm_and_capture(
         self, entry: GraphEntry, static_args: list[Any], state: StepState
@@ -198,16 +211,21 @@ class SingleGraphs:
                 error = ParityError(f"the state it wrote differs from eager's: {error}")
         return error
 
-    def _spread(self, static_args: list[Any], recorded: Recorded) -> list[float]:
-        """verify="spread": eager once more from the same state (then undone); how far its
-        outputs and writes land from the record run's, per leaf."""
-        with torch.no_grad():
-            again = self.fn(*static_args)
-        state = recorded.state
-        state.written()
-        after = state.regions()
-        state.undo()
-        return max_abs_diffs((again, after), (recorded.outputs, recorded.after))
+    def _spread(self, entry: GraphEntry, recorded: Recorded) -> list[float]:
+        """verify="spread": eager once more from the same state (as a warm-up, then undone);
+        how far its outputs and writes land from the record run's, per leaf."""
+        state, found = recorded.state, []
+
+        def again(*static_args: Any) -> None:
+            outputs = self.fn(*static_args)
+            state.written()
+            found.append(
+                max_abs_diffs((outputs, state.regions()), (recorded.outputs, recorded.after))
+            )
+            state.undo()
+
+        entry.warm_up(again)
+        return found[0]
 
     def replay(self, entry: GraphEntry, args: Args, plan: CallPlan) -> Replayed:
         every = self.verify.reverify_every

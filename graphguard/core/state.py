@@ -137,9 +137,15 @@ class _Watch(TorchDispatchMode):
     """Logs, before each op runs, the regions it writes in tensors that existed before the
     step; remembers the tensors the step creates (to find those it keeps)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NOTE: the mode's hook to opt out of being wrapped for dynamo: the wrapper imports
+        # torch._dynamo on first use (1-5 s, counted as capture work); nothing here compiles.
+        return False
+
     def __init__(self, device: torch.device, inputs: Sequence[Any], options: StateOptions):
         super().__init__()
-        self.device = device
+        self.device = _indexed(device)
         self.options = options
         self.input_storages = {_storage(t) for t in inputs if isinstance(t, torch.Tensor)}
         self.declared = (
@@ -244,6 +250,13 @@ class PythonState(StateRefused):
             "such as a cache that grows by concatenation)",
         )
         self.outputs = outputs
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`device` with its index ("cuda" is the current CUDA device, as a tensor's is named)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _storage(tensor: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ RankRunner is the GraphRunner of a rank: a single-process runner pays for none o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from graphguard.core.capture import CaptureUnits, Verdict, next_unit
@@ -24,10 +24,15 @@ from graphguard.core.decisions import Decision, DecisionError
 from graphguard.core.entry import GraphEntry
 from graphguard.core.graph_runner import Args, GraphRunner
 from graphguard.core.inputs import CallPlan
-from graphguard.core.reasons import CaptureOutcome
+from graphguard.core.reasons import CaptureOutcome, FallbackReason
 
-# Worst first: the outcome every rank takes when ranks disagree.
-SEVERITY = (CaptureOutcome.FAILED, CaptureOutcome.PARITY_MISMATCH, CaptureOutcome.OVER_BUDGET)
+# Worst first: the outcome every rank takes when ranks disagree (a refusal is for good).
+SEVERITY = (
+    CaptureOutcome.STATE_REFUSED,
+    CaptureOutcome.FAILED,
+    CaptureOutcome.PARITY_MISMATCH,
+    CaptureOutcome.OVER_BUDGET,
+)
 
 
 class RankDivergence(DecisionError):
@@ -43,6 +48,7 @@ class Vote:
     outcome: CaptureOutcome | None
     resident_bytes: int
     is_done: bool
+    refusal: FallbackReason | None = None  # with STATE_REFUSED: the named reason
 
 
 class Agreement(Protocol):
@@ -54,13 +60,15 @@ class Agreement(Protocol):
 def worst_vote(votes: list[Vote]) -> Vote:
     """The agreed vote: the most severe rejection, the largest bytes; ended only if all ended
     (a RankDivergence when, with no rejection, some ended and some did not)."""
-    rejected = [v.outcome for v in votes if v.outcome is not None]
-    outcome = min(rejected, key=SEVERITY.index) if rejected else None
+    rejected = [v for v in votes if v.outcome is not None]
+    worst = min(rejected, key=lambda v: SEVERITY.index(v.outcome)) if rejected else None
+    outcome = worst.outcome if worst is not None else None
     ended = {v.is_done for v in votes}
     if outcome is None and len(ended) > 1:
         raise RankDivergence("ranks disagree on whether a capture has ended")
     num_bytes = max(v.resident_bytes for v in votes)
-    return Vote(outcome, num_bytes, outcome is not None or ended == {True})
+    refusal = worst.refusal if worst is not None else None
+    return Vote(outcome, num_bytes, outcome is not None or ended == {True}, refusal)
 
 
 def agreed_units(units: CaptureUnits, candidate: GraphEntry, agreement: Agreement) -> CaptureUnits:
@@ -68,13 +76,9 @@ def agreed_units(units: CaptureUnits, candidate: GraphEntry, agreement: Agreemen
     try:
         while True:
             verdict = next_unit(units)
-            outcome = verdict.outcome if verdict is not None else None
-            vote = agreement.agree(Vote(outcome, candidate.resident_bytes, verdict is not None))
+            vote = agreement.agree(_vote(verdict, candidate.resident_bytes))
             if vote.outcome is not None:
-                if verdict is None or verdict.outcome is None:  # only another rank rejected
-                    error = RankDivergence(f"{vote.outcome} on another rank")
-                    return Verdict.rejected(vote.outcome, error)
-                return Verdict.rejected(vote.outcome, verdict.error, verdict.eager)
+                return _agreed_rejection(verdict, vote)
             # NOTE: every rank charges the largest rank's bytes: the budget holds on each and
             # their caches, fed the same calls, choose the same victims.
             candidate.resident_bytes = vote.resident_bytes
@@ -83,6 +87,26 @@ def agreed_units(units: CaptureUnits, candidate: GraphEntry, agreement: Agreemen
             yield
     finally:
         units.close()
+
+
+def _vote(verdict: Verdict | None, resident_bytes: int) -> Vote:
+    if verdict is None:
+        return Vote(None, resident_bytes, False)
+    return Vote(verdict.outcome, resident_bytes, True, verdict.refusal)
+
+
+def _agreed_rejection(verdict: Verdict | None, vote: Vote) -> Verdict:
+    """The rejection every rank takes. A rank that passed hands its state back to be undone;
+    one that rejected alike keeps its own error and eager answer."""
+    assert vote.outcome is not None
+    if verdict is not None and verdict.outcome is vote.outcome:
+        return replace(verdict, refusal=vote.refusal)
+    error = RankDivergence(f"{vote.outcome} on another rank")
+    state = verdict.state if verdict is not None else None
+    if vote.outcome is CaptureOutcome.STATE_REFUSED:
+        return Verdict(outcome=vote.outcome, error=error, refusal=vote.refusal, state=state)
+    eager = verdict.eager if verdict is not None and verdict.outcome is not None else None
+    return Verdict(outcome=vote.outcome, error=error, eager=eager, state=state)
 
 
 class Orders(Protocol):

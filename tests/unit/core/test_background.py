@@ -77,8 +77,9 @@ def test_each_advance_runs_one_unit_warm_ups_capture_then_parity(make_bg, backen
         progress.append((backend.num_warmups, backend.num_captures, runner.stats()["entries"]))
         if not more:
             break
-    # static inputs and the first warm-up, the second warm-up, the capture, the parity check
-    assert progress == [(1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1)]
+    # static inputs, the record run (a warm-up of the backend's) and the first warm-up; the
+    # second warm-up; the capture; the first replay and its check against the record run
+    assert progress == [(2, 0, 0), (3, 0, 0), (3, 1, 0), (3, 1, 1)]
     assert runner.stats()["background_units"] == 4
 
 

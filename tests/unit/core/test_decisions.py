@@ -9,7 +9,7 @@ import torch
 
 import graphguard as gg
 from graphguard.core.decisions import Action, DecisionError
-from graphguard.core.reasons import CaptureOutcome
+from graphguard.core.reasons import CaptureOutcome, FallbackReason
 from graphguard.engine.parallel.agreement import RankDivergence, Vote, worst_vote
 
 BUCKETS = gg.Buckets(batch=(2, 4))
@@ -34,6 +34,14 @@ def test_the_worst_vote_wins_and_the_largest_bytes_are_charged():
     votes.append(Vote(CaptureOutcome.FAILED, 20, True))
     assert worst_vote(votes) == Vote(CaptureOutcome.FAILED, 30, True)
     assert worst_vote([Vote(None, 5, False), Vote(None, 9, False)]) == Vote(None, 9, False)
+
+
+def test_a_state_refusal_on_any_rank_is_every_ranks_with_its_reason():
+    refused = Vote(CaptureOutcome.STATE_REFUSED, 10, True, FallbackReason.PYTHON_STATE)
+    votes = [Vote(CaptureOutcome.FAILED, 20, True), refused, Vote(None, 5, True)]
+    assert worst_vote(votes) == Vote(
+        CaptureOutcome.STATE_REFUSED, 20, True, FallbackReason.PYTHON_STATE
+    )
 
 
 def test_ranks_that_disagree_on_whether_a_capture_ended_diverge():
