@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import graphguard as gg  # noqa: E402
-import graphguard.core.graph_runner as graph_runner  # noqa: E402
+import graphguard.core.single_graphs as single_graphs  # noqa: E402
 from graphguard.core.verify import ParityError  # noqa: E402
 from graphguard.hf import GraphedCausalLM  # noqa: E402
 
@@ -69,7 +69,7 @@ def test_hf_decode_replays_graphs_with_eagers_tokens(family, rows):
 def test_a_rejected_capture_changes_no_token_on_cuda(monkeypatch):
     model = tiny("qwen3")
     expected = eager_tokens(model, prompt(1), 12)
-    monkeypatch.setattr(graph_runner, "parity_error", lambda *a: ParityError("forced"))
+    monkeypatch.setattr(single_graphs, "parity_error", lambda *a: ParityError("forced"))
     graphed = GraphedCausalLM(model, max_cache_len=64, admission=EAGER_FIRST)
     assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), expected)
     assert graphed.runner.stats()["parity_mismatches"] == 1

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import graphguard as gg
-import graphguard.core.graph_runner as graph_runner
+import graphguard.core.single_graphs as single_graphs
 from graphguard.core.verify import ParityError
 from graphguard.hf import GraphedCausalLM
 
@@ -81,7 +81,7 @@ def test_a_rejected_capture_puts_the_state_back_before_the_eager_answer(monkeypa
     def mismatch(key, graph_out, eager_out, config):
         return ParityError("forced")
 
-    monkeypatch.setattr(graph_runner, "parity_error", mismatch)
+    monkeypatch.setattr(single_graphs, "parity_error", mismatch)
     graphed = GraphedCausalLM(model, max_cache_len=32, backend="sim", admission=EAGER_FIRST)
     assert torch.equal(graphed.generate(prompt(1), max_new_tokens=6), expected)
     stats = graphed.runner.stats()
