@@ -27,6 +27,7 @@ must write the same values each time the step runs (the engine's KV writes do), 
 from __future__ import annotations
 
 import gc
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -193,23 +194,24 @@ class _Watch(TorchDispatchMode):
         self.state.writes.append(write)
 
     def kept(self, outputs: Any, keep: Sequence[Any]) -> list[torch.Tensor]:
-        """Tensors the step created that are still alive and are neither its outputs nor held
-        here: something outside the step kept them (Python-side state)."""
+        """Tensors the step created that Python objects still hold, and that are neither its
+        outputs nor held here: state in Python objects (a cache grown by concatenation).
+
+        NOTE: a tensor that only native code holds (a collective's pending work, say) has no
+        Python referrer: it is not the step's state, and is not counted."""
         mine = {id(t) for t in tree_flatten(outputs)[0]} | {id(t) for t in keep}
         out_storages = {_storage(t) for t in tree_flatten(outputs)[0] if _is_tensor(t)}
-
-        def alive() -> list[torch.Tensor]:
-            found = [ref() for ref in self.made]
-            return [
-                t
-                for t in found
-                if t is not None and id(t) not in mine and _storage(t) not in out_storages
-            ]
-
-        if not alive():
+        found = [ref() for ref in self.made]
+        alive = [
+            t
+            for t in found
+            if t is not None and id(t) not in mine and _storage(t) not in out_storages
+        ]
+        del found
+        if not alive:
             return []
         gc.collect()  # NOTE: a temporary in a reference cycle is alive until collected
-        return alive()
+        return [t for t in alive if _held_by_python(t, alive)]
 
 
 def watch_step(
@@ -250,6 +252,13 @@ class PythonState(StateRefused):
             "such as a cache that grows by concatenation)",
         )
         self.outputs = outputs
+
+
+def _held_by_python(tensor: torch.Tensor, ours: list[torch.Tensor]) -> bool:
+    """Whether a Python object other than a running frame or `ours` refers to `tensor`."""
+    return any(
+        r is not ours and not isinstance(r, types.FrameType) for r in gc.get_referrers(tensor)
+    )
 
 
 def _indexed(device: torch.device) -> torch.device:
