@@ -173,3 +173,21 @@ def test_a_peft_adapter_changes_the_tokens_and_its_graphs_follow_it():
             module.lora_B["default"].weight.data.mul_(-1.0)
     flipped = generate(adapted, prompt(1), new=12)
     assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), flipped)
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.7, top_k=20), dict(temperature=1.0, top_k=0, top_p=0.8)]
+)
+def test_sampled_tokens_equal_generates_under_the_same_seed(sampling):
+    model, ids = tiny("qwen3"), prompt(2)
+    torch.manual_seed(5)
+    expected = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=True,
+        cache_implementation="static", **sampling,
+    )  # fmt: skip
+    graphed = GraphedCausalLM(model, max_cache_len=64, backend="sim", admission=EAGER_FIRST)
+    torch.manual_seed(5)
+    assert torch.equal(
+        graphed.generate(ids, max_new_tokens=16, do_sample=True, **sampling), expected
+    )
+    assert graphed.runner.stats()["replays"] == 15
