@@ -187,6 +187,8 @@ class EngineConfig:
     # launch a greedy decode step before the host reads the last one's tokens: "auto" on
     # CUDA with one rank, "on" anywhere with one rank, "off" (graphguard/engine/step/overlap.py)
     overlap_decode: str = "auto"
+    # reuse the KV blocks of the longest cached prefix of a prompt (scheduling/prefix_cache.py)
+    prefix_caching: bool = True
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:

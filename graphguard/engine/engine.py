@@ -29,6 +29,7 @@ from graphguard.engine.outputs import RequestOutput, build_output, finish_reason
 from graphguard.engine.parallel.ranks import LeaderLink
 from graphguard.engine.scheduling.batch import ScheduledBatch
 from graphguard.engine.scheduling.kv_sizing import build_kv
+from graphguard.engine.scheduling.prefix_cache import PrefixCache
 from graphguard.engine.scheduling.scheduler import Scheduler
 from graphguard.engine.scheduling.sequence import Sequence
 from graphguard.engine.shapes import warmup_prefill_tokens, warmup_shapes
@@ -118,7 +119,9 @@ class LLMEngine:
             self.kv,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefix_cache=PrefixCache(self.kv) if config.prefix_caching else None,
         )
+        log.info("graphguard prefix caching %s", "on" if config.prefix_caching else "off")
         self.forward = EagerForward(self.model, self.kv)
         # NOTE: kernel compiles at start, not in the first requests. Not under tensor
         # parallelism: the warm-up's collectives would have no partner on the followers.
@@ -429,6 +432,8 @@ class LLMEngine:
                 "num_generated_tokens": self._num_generated_tokens,
                 "num_steps_ahead": self._num_steps_ahead,
                 "is_shut_down": self._is_shut_down,
+                # hit rate (prompt tokens whose KV came from the cache) and cached blocks
+                "prefix_cache": cache.stats() if (cache := self.scheduler.prefix_cache) else None,
             }
 
     def reload_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -452,6 +457,7 @@ class LLMEngine:
             self._ahead = None  # read with the old weights: the next step runs it again
             with torch.no_grad():
                 self.model.load_state_dict(state_dict, strict=True)
+            self.kv.clear_prefix_cache()  # computed with the old weights
 
     def shutdown(self) -> None:
         """Abort every request, release graphs and the KV pool. Safe to call twice."""

@@ -145,6 +145,13 @@ FLAGS: dict[str, Flag] = {
         "CUDA with one rank, on does on a CPU too, off never (default: {default})",
         choices=OVERLAP_CHOICES,
     ),
+    "prefix_caching": Flag(
+        "engine",
+        "prefill every prompt whole: no reuse of the KV blocks of a prefix another request "
+        "already computed",
+        switch=True,
+        no_=True,
+    ),
     "tensor_parallel_size": Flag(
         "engine",
         "ranks of tensor parallelism, one process and one GPU each; rank 0 serves, every rank "

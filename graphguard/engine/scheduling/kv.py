@@ -1,6 +1,12 @@
-"""PagedKVStorage: the one owner of KV blocks and the per-layer K/V tensors."""
+"""PagedKVStorage: the one owner of KV blocks and the per-layer K/V tensors, and of the prefix
+cache: full blocks keyed by the hash of their tokens and of every token before them."""
 
 from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -16,8 +22,13 @@ class PagedKVStorage:
     Block ``DUMMY_BLOCK`` is reserved: it is never handed out, and padded decode rows write
     their (ignored) K/V into it, so a padded row never touches a block a real row reads.
     A block may be held by several sequences at once (siblings sharing a prompt's full
-    blocks): each holder counts one reference, and the block is free again only when every
-    holder has freed it.
+    blocks, requests sharing a cached prefix): each holder counts one reference, and the block
+    is free again only when every holder has freed it.
+
+    Prefix cache: a full block whose KV is written may be registered under its prefix hash
+    (`prefix_hashes`). A registered block that no one holds any more stays cached, least
+    recently freed first in line to be reused for new KV (`allocate` takes free blocks first);
+    `claim_prefix` hands the longest cached prefix of a new request to it.
     """
 
     DUMMY_BLOCK = 0
@@ -50,10 +61,19 @@ class PagedKVStorage:
         # Low ids first: pop() from the end of a reversed list hands out 1, 2, 3, ...
         self._free: list[int] = list(range(num_blocks - 1, self.DUMMY_BLOCK, -1))
         self._refs: dict[int, int] = {}  # block in use -> number of holders (>= 1)
+        self._cached: dict[bytes, int] = {}  # prefix hash -> block holding that prefix's KV
+        self._hash_of: dict[int, bytes] = {}  # the inverse, for blocks registered
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached, held by no one: LRU first
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks `allocate` may hand out: free ones, and cached ones no one holds."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache (held or idle)."""
+        return len(self._cached)
 
     @property
     def num_used_blocks(self) -> int:
@@ -65,17 +85,61 @@ class PagedKVStorage:
         return sum(t.numel() * t.element_size() for t in (*self.k_cache, *self.v_cache))
 
     def can_allocate(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+        return 0 <= n <= self.num_free_blocks
 
     def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` free block ids; raises OutOfBlocksError if fewer are free."""
+        """Hand out ``n`` block ids, free ones first, then the least recently used idle cached
+        ones (forgotten by the cache); raises OutOfBlocksError if fewer are available."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
-            raise OutOfBlocksError(f"asked for {n} KV blocks, only {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(f"asked for {n} KV blocks, only {self.num_free_blocks} free")
+        blocks = [self._free.pop() if self._free else self._evict() for _ in range(n)]
         self._refs.update((block, 1) for block in blocks)
         return blocks
+
+    def _evict(self) -> int:
+        block, _ = self._idle.popitem(last=False)
+        del self._cached[self._hash_of.pop(block)]
+        return block
+
+    # -- the prefix cache -----------------------------------------------------------------
+    def register(self, block: int, prefix_hash: bytes) -> None:
+        """`block` (in use, full, its KV written) holds the prefix `prefix_hash` names."""
+        if prefix_hash not in self._cached and block not in self._hash_of:
+            self._cached[prefix_hash] = block
+            self._hash_of[block] = prefix_hash
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest cached prefix of `hashes` (nothing claimed)."""
+        blocks = []
+        for prefix_hash in hashes:
+            block = self._cached.get(prefix_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_idle(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` are idle: claiming them takes them from what `allocate` has."""
+        return sum(block in self._idle for block in blocks)
+
+    def claim_prefix(self, blocks: Sequence[int]) -> list[int]:
+        """One more holder for each cached block of a prefix (idle ones come back in use)."""
+        for block in blocks:
+            if block in self._idle:
+                del self._idle[block]
+                self._refs[block] = 1
+            else:
+                self._refs[block] += 1
+        return list(blocks)
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (new weights: the cached KV is stale)."""
+        self._free.extend(reversed(self._idle))
+        self._idle.clear()
+        self._cached.clear()
+        self._hash_of.clear()
 
     def share(self, blocks: list[int]) -> list[int]:
         """One more holder for each of ``blocks`` (in use already); returns them."""
@@ -92,7 +156,10 @@ class PagedKVStorage:
             self._refs[block] -= 1
             if not self._refs[block]:
                 del self._refs[block]
-                self._free.append(block)
+                if block in self._hash_of:
+                    self._idle[block] = None  # cached: reused for new KV last
+                else:
+                    self._free.append(block)
 
     def num_holders(self, block: int) -> int:
         """Sequences holding ``block`` (0: free)."""
@@ -117,3 +184,14 @@ class PagedKVStorage:
     @property
     def is_released(self) -> bool:
         return not self.k_cache
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+    """The prefix hash of each of the first `num_blocks` full blocks of `token_ids`: a digest of
+    the block's tokens and of the hash before it, so equal hashes mean equal whole prefixes."""
+    hashes, previous = [], b""
+    for index in range(num_blocks):
+        block = array("q", token_ids[index * block_size : (index + 1) * block_size])
+        previous = hashlib.blake2b(previous + block.tobytes(), digest_size=16).digest()
+        hashes.append(previous)
+    return hashes

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from graphguard.engine.scheduling.batch import PrefillChunk, ScheduledBatch
+from graphguard.engine.scheduling.prefix_cache import PrefixCache
 from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus, num_blocks_for
 from graphguard.engine.tokens.structured import InvalidParamError
 
@@ -51,8 +52,16 @@ class BlockPool(Protocol):
 class Scheduler:
     """Decides which sequences run in each step and owns their KV block tables."""
 
-    def __init__(self, kv: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.kv = kv
+        self.prefix_cache = prefix_cache  # None: every prompt is prefilled whole
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -126,6 +135,9 @@ class Scheduler:
         for chunk in batch.prefills:
             if not chunk.completes:
                 chunk.seq.num_cached_tokens += chunk.num_tokens
+            if self.prefix_cache is not None:
+                written = chunk.seq.num_tokens if chunk.completes else chunk.seq.num_cached_tokens
+                self.prefix_cache.register(chunk.seq, written)
         started: list[tuple[int, Sequence]] = []
         for row, (seq, completes) in enumerate(zip(batch.seqs, batch.completes, strict=True)):
             if completes and seq.forks:
@@ -241,17 +253,22 @@ class Scheduler:
             seq = self.waiting[0]
             num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
             num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+            cache = self.prefix_cache
+            reused = cache.reusable(seq) if cache is not None else []
+            taken = cache.num_taken(reused) if cache is not None else 0
             if self.num_running_slots + seq.group_size > self.max_num_seqs:
                 break
-            if not self.kv.can_allocate(num_blocks + num_copies):
+            if not self.kv.can_allocate(num_blocks - len(reused) + num_copies + taken):
                 break  # FIFO: nobody overtakes the head of the queue
-            chunk = min(seq.num_tokens, budget)
-            budget -= chunk
             self.waiting.popleft()
-            seq.block_table = self.kv.allocate(num_blocks)
+            if cache is not None:
+                reused = cache.claim(seq, reused)  # NOTE: before allocating, which may evict
+            seq.block_table = reused + self.kv.allocate(num_blocks - len(reused))
             for fork in seq.forks:  # a block each for its copy of the prompt's last block
                 fork.block_table = self.kv.allocate(1 if num_copies else 0)
-            seq.num_cached_tokens = 0
+            seq.num_cached_tokens = len(reused) * self.block_size
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            budget -= chunk
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append((seq, chunk))
@@ -275,7 +292,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, seq: Sequence) -> None:
-        """Free `seq`'s blocks and the blocks reserved for its forks (which stay its forks)."""
+        """Free `seq`'s blocks and the blocks reserved for its forks (which stay its forks); the
+        full ones whose KV is written stay in the prefix cache."""
+        if self.prefix_cache is not None and seq.block_table:
+            self.prefix_cache.register(seq, seq.num_cached_tokens)
         for one in (seq, *seq.forks):
             if one.block_table:
                 self.kv.free(one.block_table)

@@ -60,6 +60,9 @@ class Sequence:
         self.prompt_logprobs_sent = False
         self.grammar: TokenMatcher | None = None  # params.response_format's place, if any
         self.forks: list[Sequence] = []
+        self.prefix_hashes: list[
+            bytes
+        ] = []  # of its full blocks, as far as computed (prefix_cache)
 
     @property
     def token_ids(self) -> list[int]:

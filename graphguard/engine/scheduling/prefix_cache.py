@@ -1,0 +1,73 @@
+"""Prefix caching for the scheduler: a new request reuses the cached KV blocks of its longest
+cached prefix and prefills only the rest.
+
+Full blocks are keyed by the hash of their tokens and of every token before them
+(graphguard.engine.scheduling.kv `prefix_hashes`), registered once their KV is written: as a
+prefill chunk completes them, and when a sequence lets its blocks go (finished, aborted or
+preempted: a preempted sequence finds its own prompt cached when it is admitted again). A
+block no one holds stays cached until the pool needs it, least recently freed first.
+
+Not cached: a sequence with images (its KV depends on more than its tokens), and no reuse for
+one that asks for prompt logprobs (every prompt token must be scored). New weights clear the
+cache (`LLMEngine.reload_weights`). At least the last prompt token is always computed: its
+logits start the answer.
+"""
+
+from __future__ import annotations
+
+from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes
+from graphguard.engine.scheduling.sequence import Sequence
+
+
+class PrefixCache:
+    """The scheduler's side of the pool's prefix cache (see module docstring)."""
+
+    def __init__(self, kv: PagedKVStorage) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.num_lookup_tokens = 0  # prompt tokens of the sequences admitted
+        self.num_hit_tokens = 0  # of those, tokens whose KV came from the cache
+
+    def reusable(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may start from (nothing claimed yet)."""
+        if seq.image_positions or seq.params.prompt_logprobs is not None:
+            return []
+        limit = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        return self.kv.cached_prefix(self._hashes(seq, limit))
+
+    def num_taken(self, blocks: list[int]) -> int:
+        """Blocks claiming `blocks` takes from what the pool can allocate (the idle ones)."""
+        return self.kv.num_idle(blocks)
+
+    def claim(self, seq: Sequence, blocks: list[int]) -> list[int]:
+        """`seq` holds the cached `blocks` from now on."""
+        self.num_lookup_tokens += seq.num_tokens
+        self.num_hit_tokens += len(blocks) * self.block_size
+        return self.kv.claim_prefix(blocks)
+
+    def register(self, seq: Sequence, num_written: int) -> None:
+        """The full blocks among `seq`'s first `num_written` tokens (their KV written) are
+        cached under their prefix hashes."""
+        if seq.image_positions:
+            return
+        num_full = min(num_written // self.block_size, len(seq.block_table))
+        for block, prefix_hash in zip(seq.block_table, self._hashes(seq, num_full), strict=False):
+            self.kv.register(block, prefix_hash)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "hit_rate": round(self.hit_rate, 4),
+            "hit_tokens": self.num_hit_tokens,
+            "cached_blocks": self.kv.num_cached_blocks,
+        }
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix hashes of `seq`'s first `num_blocks` full blocks (remembered on it)."""
+        known = seq.prefix_hashes
+        if len(known) < num_blocks:
+            known[:] = prefix_hashes(seq.token_ids, self.block_size, num_blocks)
+        return known[:num_blocks]

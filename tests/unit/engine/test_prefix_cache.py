@@ -1,0 +1,111 @@
+"""Prefix caching (graphguard/engine/scheduling/prefix_cache.py): a request over a prefix another
+request computed prefills only the rest, and answers as an engine that never saw the first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes
+from graphguard.engine.scheduling.prefix_cache import PrefixCache
+from graphguard.engine.scheduling.sequence import Sequence
+from graphguard.engine.tokens.sampling import SamplingParams
+from tests.unit.engine.fixtures_engine import (  # noqa: F401
+    make_engine,
+    one_torch_thread,
+    run_to_completion,
+    token_ids_of,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+LONG = dict(max_model_len=2048, max_num_batched_tokens=2048, block_size=16, num_kv_blocks=320)
+
+
+def document(length: int) -> list[int]:
+    return torch.randint(10, 4000, (length,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def answer(engine, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    """The greedy tokens of `prompt`, and how many prompt tokens its prefill computed."""
+    before = engine.scheduler.num_prefilled_tokens
+    engine.add_request(request_id, prompt, GREEDY)
+    tokens = token_ids_of(run_to_completion(engine)[request_id])
+    return tokens, engine.scheduler.num_prefilled_tokens - before
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_shared_prefix_is_prefilled_once_and_the_answer_is_unchanged(embedded_model):
+    doc = document(1500)
+    first, second = doc + [101, 102, 103], doc + [201, 202, 203, 204]
+    engine = make_engine(embedded_model, **LONG)
+    _, first_cost = answer(engine, "first", first)
+    tokens, second_cost = answer(engine, "second", second)
+    assert second_cost <= first_cost // 4  # 1,500 shared tokens: 93 full blocks reused
+    fresh = make_engine(embedded_model, **LONG)
+    expected, fresh_cost = answer(fresh, "second", second)
+    assert tokens == expected and fresh_cost == len(second)
+    stats = engine.stats()["prefix_cache"]
+    assert stats["hit_tokens"] == 1488 and stats["cached_blocks"] > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_without_prefix_caching_every_prompt_is_prefilled_whole(embedded_model):
+    doc = document(200)
+    engine = make_engine(embedded_model, **LONG, prefix_caching=False)
+    answer(engine, "first", doc + [1])
+    _, cost = answer(engine, "second", doc + [2])
+    assert cost == 201 and engine.stats()["prefix_cache"] is None
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_new_weights_clear_the_cache(embedded_model):
+    doc = document(200)
+    engine = make_engine(embedded_model, **LONG)
+    answer(engine, "first", doc + [1])
+    engine.reload_weights(engine.model.state_dict())
+    _, cost = answer(engine, "second", doc + [2])
+    assert cost == 201
+
+
+def pool(num_blocks: int = 6) -> PagedKVStorage:
+    return PagedKVStorage(
+        num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks, block_size=2,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+
+
+def test_a_freed_cached_block_is_reused_for_new_kv_last_and_then_forgotten():
+    kv = pool()
+    (a, b) = kv.allocate(2)
+    hashes = prefix_hashes([1, 2, 3, 4], 2, 2)
+    kv.register(a, hashes[0])
+    kv.register(b, hashes[1])
+    kv.free([a, b])
+    assert kv.num_free_blocks == 5 and kv.cached_prefix(hashes) == [a, b]
+    others = kv.allocate(3)  # the free blocks first
+    assert a not in others and b not in others and kv.cached_prefix(hashes) == [a, b]
+    (evicted,) = kv.allocate(1)  # then the least recently freed cached block
+    assert evicted == a and kv.cached_prefix(hashes) == []
+
+
+def test_a_claimed_prefix_is_held_and_an_equal_block_needs_an_equal_prefix():
+    kv = pool()
+    (a,) = kv.allocate(1)
+    kv.register(a, prefix_hashes([5, 6], 2, 1)[0])
+    kv.free([a])
+    assert kv.claim_prefix(kv.cached_prefix(prefix_hashes([5, 6, 7, 8], 2, 2))) == [a]
+    assert kv.num_holders(a) == 1
+    assert kv.cached_prefix(prefix_hashes([9, 5, 6, 7], 2, 2)) == []  # same block, other prefix
+
+
+def test_images_and_prompt_logprobs_are_not_served_from_the_cache():
+    kv = pool()
+    cache = PrefixCache(kv)
+    seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams())
+    seq.block_table = kv.allocate(3)
+    cache.register(seq, 4)
+    assert cache.reusable(Sequence("b", [1, 2, 3, 4, 9], SamplingParams())) != []
+    with_image = Sequence("c", [1, 2, 3, 4, 9], SamplingParams())
+    with_image.image_positions = [0]
+    scored = Sequence("d", [1, 2, 3, 4, 9], SamplingParams(prompt_logprobs=1))
+    assert cache.reusable(with_image) == [] and cache.reusable(scored) == []
