@@ -111,6 +111,14 @@ class ServerMetrics:
             "(--overlap-decode)",
             registry=r,
         )
+        self.prefix_cache_hit_rate = Gauge(
+            "graphguard_server_prefix_cache_hit_rate",
+            "Prompt tokens whose KV came from the prefix cache, over all admitted prompt tokens",
+            registry=r,
+        )
+        self.prefix_cache_blocks = Gauge(
+            "graphguard_server_prefix_cache_blocks", "KV blocks in the prefix cache", registry=r
+        )
 
     def record_request(self, trace: RequestTrace) -> None:
         """Count a finished (or aborted) generation once; later calls are no-ops."""
@@ -135,6 +143,9 @@ class ServerMetrics:
         self.kv_blocks_capacity.set(stats.get("kv_blocks_total", 0))
         self.engine_steps.set(stats.get("num_steps", 0))
         self.decode_steps_ahead.set(stats.get("num_steps_ahead", 0))
+        cache = stats.get("prefix_cache") or {}
+        self.prefix_cache_hit_rate.set(cache.get("hit_rate", 0.0))
+        self.prefix_cache_blocks.set(cache.get("cached_blocks", 0))
 
     def render(self, graph_registry: CollectorRegistry | None) -> bytes:
         """Prometheus text: the server's metrics, then the graph runtime's when it is on."""

@@ -78,6 +78,18 @@ def test_step_gauges_report_the_engine_counts(client: OpenAI, server: RunningSer
     assert samples[("graphguard_server_decode_steps_ahead", frozenset())] == 0
 
 
+def test_prefix_cache_gauges_report_the_engine_cache(client: OpenAI, server: RunningServer) -> None:
+    prompt = "The same long question, asked twice over, word for word, by two clients. " * 4
+    for _ in range(2):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    samples = server.scrape()
+    cache = server.engine.stats()["prefix_cache"]
+    assert cache["hit_tokens"] > 0 and cache["cached_blocks"] > 0
+    rate = samples[("graphguard_server_prefix_cache_hit_rate", frozenset())]
+    assert rate == cache["hit_rate"] > 0
+    assert samples[("graphguard_server_prefix_cache_blocks", frozenset())] == cache["cached_blocks"]
+
+
 def test_graphs_endpoint_says_why_graphs_are_off_on_a_cpu(server: RunningServer) -> None:
     # this server runs on the CPU without a graph backend (tests/server/test_graphs_on.py has
     # the one with graphs on)
