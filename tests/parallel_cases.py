@@ -109,6 +109,14 @@ def covered(engine: Any, followers: Any) -> dict[str, Any]:
     return {"tokens": tokens, "logprobs": logprobs, "leader": engine.graphs.stats()}
 
 
+def shared_prefix(engine: Any, followers: Any) -> dict[str, Any]:
+    """The same long prompt twice: the second prefills from rank 0's prefix cache, and every
+    rank reads the blocks it computed for the first."""
+    prompt = " ".join([PROMPT] * 4)
+    first, second = greedy(engine, prompt), greedy(engine, prompt)
+    return {"first": first, "second": second, "prefix_cache": engine.stats()["prefix_cache"]}
+
+
 def kill_switch_midway(engine: Any, followers: Any) -> dict[str, Any]:
     greedy(engine)
     os.environ["GRAPHGUARD_DISABLE"] = "1"  # rank 0's environment only
@@ -201,6 +209,7 @@ SCENARIOS = {
     "small_budget": generate,
     "kill_switch_midway": kill_switch_midway,
     "covered": covered,
+    "shared_prefix": shared_prefix,
     "follower_crash": follower_crash,
     "gpu_graphs_then_eager": graphs_then_eager,
     "gpu_follower_crash": gpu_follower_crash,

@@ -88,6 +88,13 @@ def test_two_ranks_decode_the_single_process_tokens_through_replayed_graphs(embe
     assert image.startswith("ValueError") and "tensor parallelism" in image
 
 
+def test_a_shared_prefix_is_reused_and_every_rank_agrees():
+    report = run_scenario("shared_prefix")
+    assert "error" not in report, report.get("error")
+    assert report["second"] == report["first"] and report["exit_codes"] == [0]
+    assert report["prefix_cache"]["hit_tokens"] > 0
+
+
 def test_capture_failure_on_rank_1_only_quarantines_the_key_on_both_ranks():
     report = run_scenario("capture_fails_on_rank_1")
     (follower,) = report["follower_reports"]
