@@ -153,10 +153,6 @@ class CaptureJob(Generic[E, C]):
         self.max_unit_s = 0.0
         self.verdict: Verdict | None = None
 
-    @property
-    def is_done(self) -> bool:
-        return self.verdict is not None
-
     def advance(self) -> bool:
         """Run the next unit; True once the capture has ended (its Verdict in `verdict`)."""
         started = self._clock()

@@ -4,7 +4,7 @@ verification (VerifyConfig) and admission (AdmissionConfig)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -48,6 +48,13 @@ class CaptureConfig:
     enabled: bool = True
     max_state_bytes: int = 1 << 30
     state: Sequence[Any] | None = None
+
+    def owners_apart(self) -> tuple[list[Any], CaptureConfig]:
+        """The owners to retain, and these options without them.
+
+        NOTE: a runner keeps its owners in one place (what every new graph retains), so that
+        once the caller lets go of them, the admitted graphs are what keeps them alive."""
+        return list(self.retain), replace(self, retain=())
 
     def __post_init__(self) -> None:
         if self.max_pad_factor < 1:

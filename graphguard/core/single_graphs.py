@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -70,10 +69,7 @@ class SingleGraphs:
         self.buckets = buckets
         self.backend = backend
         self.verify = verify
-        # NOTE: the owners live here alone (what every new graph retains), so that once the
-        # caller lets go of them, the admitted graphs are what keeps them alive.
-        self.owners = list(options.retain)
-        self.options = replace(options, retain=())
+        self.owners, self.options = options.owners_apart()
         declared = None if options.state is None else tuple(options.state)
         self._state = StateOptions(options.max_state_bytes, declared)
         self._device = backend.device if backend is not None else torch.device("cpu")

@@ -224,10 +224,7 @@ def watch_step(
     try:
         with torch.no_grad(), watch:
             raw = fn(*args)
-    except StateRefused:
-        watch.state.undo()
-        raise
-    except BaseException:
+    except BaseException:  # a refusal (raised before its write) or the step's own error
         watch.state.undo()
         raise
     # NOTE: the record run's outputs and what it wrote are kept on the host until the check:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any
 
 from torch import Tensor
@@ -64,10 +63,7 @@ class SegmentGroups:
         self.pieces = pieces
         self.backend = backend
         self.verify = verify
-        # NOTE: the owners live here alone (what every new segment graph retains), so that once the
-        # caller lets go of them, the admitted graphs are what keeps them alive.
-        self.owners = list(options.retain)
-        self.options = replace(options, retain=())
+        self.owners, self.options = options.owners_apart()
         self.max_bytes = max_bytes
         self.name = name
 

@@ -186,11 +186,15 @@ class PagedKVStorage:
         return not self.k_cache
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[bytes]:
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, num_blocks: int, known: Sequence[bytes] = ()
+) -> list[bytes]:
     """The prefix hash of each of the first `num_blocks` full blocks of `token_ids`: a digest of
-    the block's tokens and of the hash before it, so equal hashes mean equal whole prefixes."""
-    hashes, previous = [], b""
-    for index in range(num_blocks):
+    the block's tokens and of the hash before it, so equal hashes mean equal whole prefixes.
+    `known`: the hashes of the first blocks, computed before; only the rest are computed."""
+    hashes = list(known[:num_blocks])
+    previous = hashes[-1] if hashes else b""
+    for index in range(len(hashes), num_blocks):
         block = array("q", token_ids[index * block_size : (index + 1) * block_size])
         previous = hashlib.blake2b(previous + block.tobytes(), digest_size=16).digest()
         hashes.append(previous)

@@ -69,5 +69,5 @@ class PrefixCache:
         """The prefix hashes of `seq`'s first `num_blocks` full blocks (remembered on it)."""
         known = seq.prefix_hashes
         if len(known) < num_blocks:
-            known[:] = prefix_hashes(seq.token_ids, self.block_size, num_blocks)
+            known[:] = prefix_hashes(seq.token_ids, self.block_size, num_blocks, known)
         return known[:num_blocks]

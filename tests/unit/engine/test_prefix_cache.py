@@ -109,3 +109,10 @@ def test_images_and_prompt_logprobs_are_not_served_from_the_cache():
     with_image.image_positions = [0]
     scored = Sequence("d", [1, 2, 3, 4, 9], SamplingParams(prompt_logprobs=1))
     assert cache.reusable(with_image) == [] and cache.reusable(scored) == []
+
+
+def test_prefix_hashes_extend_the_known_ones_to_the_same_chain():
+    tokens = list(range(10))
+    known = prefix_hashes(tokens, 2, 2)
+    assert prefix_hashes(tokens, 2, 5, known) == prefix_hashes(tokens, 2, 5)
+    assert prefix_hashes(tokens, 2, 1, known) == known[:1]
