@@ -34,6 +34,7 @@ from graphguard.core.graph_runner import GraphRunner
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.options import CaptureConfig
 from graphguard.core.verify import VerifyConfig
+from graphguard.hf_kernels import Fusion, fuse_kernels
 
 
 class GraphedCausalLM:
@@ -44,6 +45,9 @@ class GraphedCausalLM:
         max_cache_len: the static cache's length: prompt plus generated tokens.
         max_bytes, verify, admission, capture, backend, metrics: the GraphRunner's
             (docs/runtime.md). Admission defaults to capturing a step's shape once seen twice.
+        kernels: "model" (transformers' own) or "fused": graphguard's Triton kernels swapped
+            into the model's RMSNorms and SwiGLU MLPs (graphguard/hf_kernels.py; CUDA), about
+            half the launches a step replays; `close()` puts the model's own back.
     """
 
     def __init__(
@@ -57,11 +61,13 @@ class GraphedCausalLM:
         capture: CaptureConfig | None = None,
         backend: str | Backend = "auto",
         metrics: GraphMetrics | None = None,
+        kernels: str = "model",
     ):
         from transformers import StaticCache
 
         capture = capture or CaptureConfig()
         self.model = model
+        self.fusion = _fusion(model, kernels)
         self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         self.max_cache_len = max_cache_len
         self.runner = GraphRunner(
@@ -138,6 +144,16 @@ class GraphedCausalLM:
 
     def close(self) -> None:
         self.runner.close()
+        if self.fusion is not None:
+            self.fusion.restore()
+
+
+def _fusion(model: Any, kernels: str) -> Fusion | None:
+    if kernels == "model":
+        return None
+    if kernels != "fused":
+        raise ValueError(f"kernels must be 'model' or 'fused', got {kernels!r}")
+    return fuse_kernels(model)
 
 
 def _sample(

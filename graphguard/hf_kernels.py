@@ -1,0 +1,167 @@
+"""graphguard's fused Triton kernels in a transformers model's RMSNorms and SwiGLU MLPs (opt-in).
+
+A graph replays the kernels a step launches; a transformers decoder layer launches about 60 at
+decode (an RMSNorm alone is 8: cast, square, mean, add, rsqrt, multiply, cast, scale), so a
+small model's replay is bound by launches, not by bytes. `fuse_kernels(model)` swaps each
+RMSNorm for one kernel (graphguard/kernels/triton_norm.py) and each SwiGLU MLP's activation and
+product for one (triton_mlp.py), about halving a layer's launches. The swapped modules hold the
+model's own weights and projections (a PEFT adapter on a projection still applies; weights
+loaded in place are read), and `Fusion.restore()` puts the originals back.
+
+What is swapped is checked first: each module class's fused forward is compared with its own
+forward on random rows, and a class that computes something else (Gemma's ``1 + weight``, a
+norm with a bias, an MLP whose activation is not SiLU) is left as it is, with the reason in
+`Fusion.skipped`. The fused kernels compute in float32 as transformers does but reduce in
+another order: logits agree within rounding, not bit for bit, so greedy tokens can part where
+two logits nearly tie. Parity of graphs is unaffected: graph and eager run the same kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+# Relative error of a fused module against its own forward on random rows that a swap may have:
+# a few bfloat16 roundings (2**-8 each), far under what a different formula gives.
+MAX_REL_ERROR = 2e-2
+SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
+
+
+class FusedRMSNorm(nn.Module):
+    """One kernel for a transformers RMSNorm (``weight * (x / rms(x)).to(dtype)``, statistics in
+    float32): the original's weight, read in place. Falls to the original where the input is
+    not the weight's dtype (transformers then returns the wider dtype)."""
+
+    def __init__(self, original: nn.Module, eps: float):
+        super().__init__()
+        self.original = original
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        from graphguard.kernels import triton_norm
+
+        weight = self.original.weight
+        if x.dtype != weight.dtype or x.shape[-1] != weight.shape[0]:
+            return self.original(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return triton_norm.rms_norm(rows, weight, self.eps).view(x.shape)
+
+
+class FusedSwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with the activation and product in one kernel; the
+    projections are the original modules (adapters on them apply)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        self.original = original
+
+    def forward(self, x: Tensor) -> Tensor:
+        from graphguard.kernels import triton_mlp
+
+        mlp = self.original
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        width = gate.shape[-1]
+        both = triton_mlp.silu_mul_pair(gate.reshape(-1, width), up.reshape(-1, width))
+        return mlp.down_proj(both.view(gate.shape))
+
+
+@dataclass
+class Fusion:
+    """What `fuse_kernels` swapped (parent module, attribute, original) and what it left, by
+    class name with the reason."""
+
+    swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def restore(self) -> None:
+        """Put every original module back."""
+        for parent, name, original in reversed(self.swapped):
+            setattr(parent, name, original)
+        self.swapped.clear()
+
+
+def fuse_kernels(model: nn.Module) -> Fusion:
+    """Swap `model`'s RMSNorms and SwiGLU MLPs for graphguard's fused kernels, in place (see the
+    module docstring). Needs a CUDA model (or Triton's CPU interpreter, TRITON_INTERPRET=1)."""
+    device = next(model.parameters()).device
+    _check_device(device)
+    fusion = Fusion()
+    verdicts: dict[type, str | None] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            fused = _fused(child)
+            if fused is None:
+                continue
+            kind = type(child)
+            if kind not in verdicts:
+                verdicts[kind] = _disagreement(child, fused, device)
+                if verdicts[kind] is not None:
+                    fusion.skipped[kind.__name__] = str(verdicts[kind])
+            if verdicts[kind] is None:
+                setattr(parent, name, fused)
+                fusion.swapped.append((parent, name, child))
+    return fusion
+
+
+def _check_device(device: torch.device) -> None:
+    from graphguard.kernels import triton_missing
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"fused kernels run on a CUDA device; this model is on {device} "
+            "(keep transformers' kernels there)"
+        )
+    missing = triton_missing(device) if device.type == "cuda" else None
+    if missing:
+        raise ValueError(f"fused kernels need Triton: {missing}")
+
+
+def _fused(module: nn.Module) -> nn.Module | None:
+    """The fused stand-in for a module this file knows the shape of, else None."""
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if name.endswith("RMSNorm") and isinstance(weight, Tensor) and weight.dim() == 1:
+        if isinstance(eps, float) and getattr(module, "bias", None) is None:
+            return FusedRMSNorm(module, eps)
+    parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    if name.endswith("MLP") and all(hasattr(module, part) for part in parts):
+        if type(module.act_fn).__name__ in SILU_NAMES:
+            return FusedSwiGLU(module)
+    return None
+
+
+@torch.no_grad()
+def _disagreement(original: nn.Module, fused: nn.Module, device: torch.device) -> str | None:
+    """Why `fused` may not stand in for `original` (None: it agrees on random rows)."""
+    width = _input_width(original)
+    dtype = next(original.parameters()).dtype
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, width, generator=generator).to(device=device, dtype=dtype)
+    try:
+        expected, got = original(x), fused(x)
+    except Exception as exc:  # noqa: BLE001 - a module the kernels cannot take is left alone
+        return f"the fused forward failed: {type(exc).__name__}: {exc}"
+    error = (got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
+    if got.shape != expected.shape or error > MAX_REL_ERROR:
+        return f"computes something else (relative error {float(error):.3g})"
+    return None
+
+
+def _input_width(module: nn.Module) -> int:
+    weight: Any = getattr(module, "weight", None)
+    if isinstance(weight, Tensor):
+        return int(weight.shape[0])
+    return int(module.gate_proj.in_features)
+
+
+__all__ = ["Fusion", "FusedRMSNorm", "FusedSwiGLU", "fuse_kernels"]
