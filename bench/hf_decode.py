@@ -5,6 +5,8 @@ The same model (random bf16 weights, a transformers `StaticCache`) and the same 
 
 - eager: the step as transformers runs it;
 - graphguard: `graphguard.hf.GraphedCausalLM` (bounded, verified graphs of the step);
+- graphguard fused: the same with graphguard's Triton kernels in the model's RMSNorms and
+  SwiGLU MLPs (`GraphedCausalLM(kernels="fused")`, graphguard/hf_kernels.py);
 - compile: `torch.compile(step, mode="reduce-overhead")` (CUDA graphs of compiled kernels).
 
 Per model and batch: ms per decode step, the first run's extra time (graphguard: its capture;
@@ -98,8 +100,37 @@ def measure(model: Any, batch: int, new: int) -> dict[str, Any]:
         budget_bytes=BUDGET,
     )
     graphed.close()
+    row.update(_fused(model, ids, new, reference, prefill))
     row.update(_compiled(model, ids, new, reference, prefill))
     return row
+
+
+def _fused(
+    model: Any, ids: torch.Tensor, new: int, reference: torch.Tensor, prefill: float
+) -> dict[str, Any]:
+    """graphguard with its fused kernels in the model's norms and MLPs: ms per step, whether
+    its graphs' tokens equal its own eager run's, and how many equal transformers' kernels'."""
+    import graphguard as gg
+    from graphguard.hf import GraphedCausalLM
+
+    eager = GraphedCausalLM(model, max_cache_len=PROMPT + new, backend="cuda", kernels="fused",
+                            capture=gg.CaptureConfig(enabled=False))  # fmt: skip
+    own = eager.generate(ids, max_new_tokens=new)
+    eager.close()
+    graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET, kernels="fused",
+                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
+    first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    again, seconds = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    stats = graphed.runner.stats()
+    graphed.close()
+    generated = slice(PROMPT, None)
+    return dict(
+        fused_ms=(seconds - prefill) / (new - 1) * 1e3,
+        fused_first_extra_s=first_s - seconds,
+        fused_replays=stats["replays"],
+        fused_equal_own_eager=bool(torch.equal(first, own) and torch.equal(again, own)),
+        fused_tokens_as_hf=float((again[:, generated] == reference[:, generated]).float().mean()),
+    )
 
 
 def _prefill_s(runner: Any, ids: torch.Tensor) -> float:
@@ -167,6 +198,9 @@ def main() -> None:
     )
     for row in rows:
         print(_line(row))
+    print("     shape  batch  fused ms  fused/compile  x eager  first s  equal own  as hf")
+    for row in rows:
+        print(_fused_line(row))
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -179,6 +213,16 @@ def _line(row: dict[str, Any]) -> str:
         f" {row['graphguard_equal']!s:>6}/{row.get('compile_equal', row.get('compile_error'))!s}"
         f" {row['reserved_growth_bytes'] / 2**20:13.0f}  replays={row['replays']}"
         f" fallbacks={row['fallbacks']}"
+    )
+
+
+def _fused_line(row: dict[str, Any]) -> str:
+    compile_ms = row.get("compile_ms", float("nan"))
+    return (
+        f"{row['shape']:>10} {row['batch']:>6} {row['fused_ms']:9.2f}"
+        f" {row['fused_ms'] / compile_ms:14.2f} {row['eager_ms'] / row['fused_ms']:8.1f}"
+        f" {row['fused_first_extra_s']:8.2f} {row['fused_equal_own_eager']!s:>10}"
+        f" {row['fused_tokens_as_hf']:6.2f}  replays={row['fused_replays']}"
     )
 
 

@@ -36,6 +36,8 @@ class FusedRMSNorm(nn.Module):
     float32): the original's weight, read in place. Falls to the original where the input is
     not the weight's dtype (transformers then returns the wider dtype)."""
 
+    original: Any  # the transformers module: its weight, and its forward as the fallback
+
     def __init__(self, original: nn.Module, eps: float):
         super().__init__()
         self.original = original
@@ -54,6 +56,8 @@ class FusedRMSNorm(nn.Module):
 class FusedSwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with the activation and product in one kernel; the
     projections are the original modules (adapters on them apply)."""
+
+    original: Any  # the transformers MLP: gate_proj, up_proj, down_proj
 
     def __init__(self, original: nn.Module):
         super().__init__()
@@ -157,7 +161,7 @@ def _disagreement(original: nn.Module, fused: nn.Module, device: torch.device) -
     return None
 
 
-def _input_width(module: nn.Module) -> int:
+def _input_width(module: Any) -> int:
     weight: Any = getattr(module, "weight", None)
     if isinstance(weight, Tensor):
         return int(weight.shape[0])
