@@ -1,12 +1,15 @@
 """A transformers causal LM's decode step: HF eager, graphguard, torch.compile, side by side.
 
 The same model (random bf16 weights, a transformers `StaticCache`) and the same decode step,
-`model(input_ids, past_key_values=cache, cache_position=...)`, three ways in one process:
+`model(input_ids, past_key_values=cache, cache_position=...)`, each of these ways in one process:
 
 - eager: the step as transformers runs it;
 - graphguard: `graphguard.hf.GraphedCausalLM` (bounded, verified graphs of the step);
 - graphguard fused: the same with graphguard's Triton kernels in the model's RMSNorms and
   SwiGLU MLPs (`GraphedCausalLM(kernels="fused")`, graphguard/hf_kernels.py);
+- graphguard segmented: `GraphedCausalLM(mode="segmented")` (graphguard/hf_segments.py):
+  graphed norms, MLPs and head with each layer's attention eager between them, what a model
+  whose whole step is refused still gets;
 - compile: `torch.compile(step, mode="reduce-overhead")` (CUDA graphs of compiled kernels).
 
 Per model and batch: ms per decode step, the first run's extra time (graphguard: its capture;
@@ -71,7 +74,7 @@ def timed(run: Any) -> tuple[Any, float]:
 
 
 def measure(model: Any, batch: int, new: int) -> dict[str, Any]:
-    """One model and batch, three ways (see module docstring)."""
+    """One model and batch, every way (see module docstring)."""
     import graphguard as gg
     from graphguard.hf import GraphedCausalLM
 
@@ -101,6 +104,7 @@ def measure(model: Any, batch: int, new: int) -> dict[str, Any]:
     )
     graphed.close()
     row.update(_fused(model, ids, new, reference, prefill))
+    row.update(_segmented(model, ids, new, reference, prefill))
     row.update(_compiled(model, ids, new, reference, prefill))
     return row
 
@@ -130,6 +134,33 @@ def _fused(
         fused_replays=stats["replays"],
         fused_equal_own_eager=bool(torch.equal(first, own) and torch.equal(again, own)),
         fused_tokens_as_hf=float((again[:, generated] == reference[:, generated]).float().mean()),
+    )
+
+
+def _segmented(
+    model: Any, ids: torch.Tensor, new: int, reference: torch.Tensor, prefill: float
+) -> dict[str, Any]:
+    """graphguard's segment graphs with eager attention holes: ms per step, replays, graphs,
+    and whether the tokens equal eager's."""
+    import graphguard as gg
+    from graphguard.hf import GraphedCausalLM
+
+    graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET,
+                              admission=gg.AdmissionConfig(min_hits=1),
+                              mode="segmented")  # fmt: skip
+    first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    again, seconds = timed(lambda: graphed.generate(ids, max_new_tokens=new))
+    assert graphed.segments is not None
+    stats = graphed.segments.runner.stats()
+    graphed.close()
+    return dict(
+        segmented_ms=(seconds - prefill) / (new - 1) * 1e3,
+        segmented_first_extra_s=first_s - seconds,
+        segmented_replays=stats["replays"],
+        segmented_fallbacks=stats["fallbacks"],
+        segmented_graphs=stats["graphs"],
+        segmented_bytes=stats["resident_bytes"],
+        segmented_equal=bool(torch.equal(first, reference) and torch.equal(again, reference)),
     )
 
 
@@ -201,6 +232,9 @@ def main() -> None:
     print("     shape  batch  fused ms  fused/compile  x eager  first s  equal own  as hf")
     for row in rows:
         print(_fused_line(row))
+    print("     shape  batch  eager ms  whole ms  segmented ms  x eager  first s  equal  graphs")
+    for row in rows:
+        print(_segmented_line(row))
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -223,6 +257,16 @@ def _fused_line(row: dict[str, Any]) -> str:
         f" {row['fused_ms'] / compile_ms:14.2f} {row['eager_ms'] / row['fused_ms']:8.1f}"
         f" {row['fused_first_extra_s']:8.2f} {row['fused_equal_own_eager']!s:>10}"
         f" {row['fused_tokens_as_hf']:6.2f}  replays={row['fused_replays']}"
+    )
+
+
+def _segmented_line(row: dict[str, Any]) -> str:
+    return (
+        f"{row['shape']:>10} {row['batch']:>6} {row['eager_ms']:9.2f}"
+        f" {row['graphguard_ms']:9.2f} {row['segmented_ms']:13.2f}"
+        f" {row['eager_ms'] / row['segmented_ms']:8.1f} {row['segmented_first_extra_s']:8.2f}"
+        f" {row['segmented_equal']!s:>6} {row['segmented_graphs']:7d}"
+        f"  replays={row['segmented_replays']} fallbacks={row['segmented_fallbacks']}"
     )
 
 

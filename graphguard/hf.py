@@ -21,7 +21,7 @@ stale one.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from graphguard.core.metrics import GraphMetrics
 from graphguard.core.options import CaptureConfig
 from graphguard.core.verify import VerifyConfig
 from graphguard.hf_kernels import Fusion, fuse_kernels
+from graphguard.hf_segments import DecodeMode, DecoderSegments
 
 
 class GraphedCausalLM:
@@ -48,6 +49,10 @@ class GraphedCausalLM:
         kernels: "model" (transformers' own) or "fused": graphguard's Triton kernels swapped
             into the model's RMSNorms and SwiGLU MLPs (graphguard/hf_kernels.py; CUDA), about
             half the launches a step replays; `close()` puts the model's own back.
+        mode: "whole" (one graph per step), "segmented" (graphed norms, MLPs and head, each
+            layer's attention eager between them: graphguard/hf_segments.py) or "auto" (whole
+            steps, and segments for a key whose whole step is refused for a reason segments
+            avoid); segments are in `self.segments` (None for "whole").
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class GraphedCausalLM:
         backend: str | Backend = "auto",
         metrics: GraphMetrics | None = None,
         kernels: str = "model",
+        mode: str = "whole",
     ):
         from transformers import StaticCache
 
@@ -81,6 +87,13 @@ class GraphedCausalLM:
             metrics=metrics,
             name="hf_decode",
         )
+        self.segments: DecoderSegments | None = None
+        if DecodeMode(mode) is not DecodeMode.WHOLE:
+            self.segments = DecoderSegments(
+                model, self.cache, DecodeMode(mode), self.runner, max_bytes=max_bytes,
+                verify=verify, admission=admission, capture=capture, backend=backend,
+                metrics=metrics,
+            )  # fmt: skip
 
     def _decode(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
         """Logits [B, vocab] of one token per row at `position` (a [1] tensor), over the cache.
@@ -133,17 +146,20 @@ class GraphedCausalLM:
         logits = out.logits[:, -1, :]
         tokens = [input_ids]
         adapters = self.adapters()
+        decode: Callable[..., Tensor] = self.runner if self.segments is None else self.segments
         for step in range(max_new_tokens):
             pick = _sample(logits, do_sample, temperature, top_k, top_p, generator)
             tokens.append(pick[:, None])
             if step + 1 == max_new_tokens:
                 break
             position = torch.tensor([length + step], device=device)
-            logits = self.runner(pick[:, None], position, adapters)
+            logits = decode(pick[:, None], position, adapters)
         return torch.cat(tokens, dim=1)
 
     def close(self) -> None:
         self.runner.close()
+        if self.segments is not None:
+            self.segments.close()
         if self.fusion is not None:
             self.fusion.restore()
 

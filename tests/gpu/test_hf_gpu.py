@@ -106,3 +106,59 @@ def test_a_peft_adapter_switch_replays_its_own_graph_on_cuda():
     assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), with_adapter)
     assert graphed.runner.stats()["captures"] == 2
     graphed.close()
+
+
+def segmented(model, mode: str = "segmented") -> GraphedCausalLM:
+    return GraphedCausalLM(model, max_cache_len=64, admission=EAGER_FIRST, mode=mode)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_segmented_decode_replays_segment_graphs_with_eagers_tokens(family, rows):
+    model = tiny(family)
+    expected = eager_tokens(model, prompt(rows), 32)
+    graphed = segmented(model)
+    for _ in range(2):  # the capture's call, then a whole run of replays
+        assert torch.equal(graphed.generate(prompt(rows), max_new_tokens=32), expected)
+    assert graphed.segments is not None
+    stats = graphed.segments.runner.stats()
+    assert stats["backend"] == "cuda" and stats["captures"] == 1
+    assert stats["replays"] == 62 and stats["fallbacks"] == {}
+    assert stats["graphs"] == SHAPE["num_hidden_layers"] + 1
+    graphed.close()
+
+
+def test_auto_takes_segments_where_the_whole_step_keeps_python_state_on_cuda():
+    from tests.unit.test_hf_segments import CountedAttention
+
+    model = tiny("llama")
+    for layer in model.model.layers:
+        layer.self_attn = CountedAttention(layer.self_attn)
+    expected = eager_tokens(model, prompt(8), 32)
+    graphed = segmented(model, mode="auto")
+    assert torch.equal(graphed.generate(prompt(8), max_new_tokens=32), expected)
+    assert graphed.runner.stats()["fallbacks"] == {"python_state": 1}
+    assert graphed.segments is not None
+    stats = graphed.segments.runner.stats()
+    assert (stats["captures"], stats["replays"], stats["fallbacks"]) == (1, 30, {})
+    graphed.close()
+
+
+def test_a_peft_adapter_switch_keys_the_segment_graphs_on_cuda():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny("qwen3")
+    base = eager_tokens(model, prompt(1), 12)
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    lora = LoraConfig(r=8, target_modules=targets, init_lora_weights=False)
+    adapted = get_peft_model(model, lora).eval()
+    with_adapter = eager_tokens(adapted, prompt(1), 12)
+    assert not torch.equal(base, with_adapter)
+    graphed = segmented(adapted)
+    assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), with_adapter)
+    with adapted.disable_adapter():
+        assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), base)
+    assert torch.equal(graphed.generate(prompt(1), max_new_tokens=12), with_adapter)
+    assert graphed.segments is not None
+    assert graphed.segments.runner.stats()["captures"] == 2
+    graphed.close()

@@ -1,0 +1,260 @@
+"""Segmented decode steps of a transformers decoder: graphed segments, each attention eager.
+
+Where the whole decode step cannot be one graph (an attention that keeps Python-side state,
+writes host tensors, or more than `max_state_bytes`), its dense parts still can. The step is cut
+along the model's public structure (`model.model.embed_tokens`, `.rotary_emb`, `.layers[i]`'s
+`input_layernorm` / `self_attn` / `post_attention_layernorm` / `mlp`, `.norm`, `lm_head`) into
+a SegmentedRunner's pipeline (docs/segmented.md):
+
+    embed + mask (eager)  [rope + norm0]  attn0  [mlp0 + norm1]  attn1 ... [mlpL-1 + norm + head]
+
+A model of L layers has L + 1 segment graphs per key and L eager attention holes. The ops are
+those of the model's own decoder layers, in the same order, and each hole calls `self_attn`
+with exactly the arguments transformers' decoder layer passes it for a StaticCache decode step
+(the causal mask `create_causal_mask` builds, position ids, the cache, `use_cache`, the rotary
+cos/sin), so the step's logits are the model's own.
+
+The attention holes are the only part that writes state: each writes its layer of the cache.
+A capture runs the pipeline twice (its graphs, then the eager reference it is checked by), so a
+hole must be idempotent: it sets its cache layer's counter to the step's position before the
+attention writes there, and a second run writes the same slots with the same values and leaves
+the counter where one run leaves it.
+
+A key is the shapes of the step's carry and the active PEFT adapters (they choose the segments'
+Python path, as they choose the whole step's).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+from torch import Tensor
+
+from graphguard.core.admission import AdmissionConfig
+from graphguard.core.backends import Backend
+from graphguard.core.graph_runner import GraphRunner
+from graphguard.core.inputs import CallPlan
+from graphguard.core.keys import GraphKey
+from graphguard.core.metrics import GraphMetrics
+from graphguard.core.options import CaptureConfig
+from graphguard.core.reasons import FallbackReason
+from graphguard.core.verify import VerifyConfig
+from graphguard.segmented import Carry, SegmentedRunner, Stage
+from graphguard.segmented.runner import Call, SegmentGroups
+
+
+class DecodeMode(enum.StrEnum):
+    """How GraphedCausalLM graphs its decode steps."""
+
+    WHOLE = "whole"  # the whole step, one graph per key
+    SEGMENTED = "segmented"  # graphed segments, every layer's attention eager
+    AUTO = "auto"  # whole-step graphs; segments for a key whose whole step is refused for good
+
+
+# The refusals of a whole step that segments avoid: what the step writes, the attention's cache
+# and its bookkeeping, runs eagerly in the holes (the segments write nothing).
+SEGMENTS_AVOID = frozenset(
+    {FallbackReason.PYTHON_STATE, FallbackReason.UNOWNABLE_STATE, FallbackReason.STATE_TOO_LARGE}
+)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the attention holes read besides the carry; only `adapters` is keyed."""
+
+    mask: Any  # the causal mask transformers builds for the step (a tensor, or None)
+    position_ids: Tensor  # [1, 1] on the device
+    position: Tensor  # [] on the device: the slot every layer's cache writes this step
+    adapters: Hashable
+
+
+class AdapterGroups(SegmentGroups):
+    """SegmentGroups keyed by the carry's shapes and the step's active adapters."""
+
+    def plan(self, call: Call) -> CallPlan | FallbackReason:
+        plan = super().plan(call)
+        if isinstance(plan, FallbackReason):
+            return plan
+        _, context = call
+        return CallPlan(GraphKey((*plan.key.args, context.adapters)), None)
+
+
+class AdapterSegmentedRunner(SegmentedRunner):
+    """A SegmentedRunner whose keys hold the call's adapters (StepContext.adapters) too."""
+
+    def __init__(self, stages: Sequence[Stage], *, capture: CaptureConfig, **options: Any):
+        super().__init__(stages, capture=capture, **options)
+        groups = self.kind
+        # NOTE: the same groups, with the adapters in their key: a LoRA layer in a segment adds
+        # its update or not by the adapters, so a stale group must never answer another set.
+        self.kind = AdapterGroups(
+            groups.pieces, groups.backend, groups.verify, capture, groups.max_bytes, groups.name
+        )
+
+
+def base_model(model: Any) -> Any:
+    """The transformers causal LM itself: a PEFT model's base model (its LoRA layers in it)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def check_segmentable(base: Any, cache: Any) -> None:
+    """ValueError unless `base` is a decoder of the structure cut here over a StaticCache of
+    full-attention layers."""
+    from transformers.cache_utils import StaticLayer
+
+    decoder = getattr(base, "model", None)
+    parts = ("embed_tokens", "rotary_emb", "layers", "norm")
+    is_cut = decoder is not None and all(hasattr(decoder, p) for p in parts)
+    if not (is_cut and hasattr(base, "lm_head")):
+        raise ValueError(
+            f"{type(base).__name__} is not a decoder of model.{{{', '.join(parts)}}} and lm_head"
+        )
+    for layer in cache.layers:
+        if not isinstance(layer, StaticLayer) or layer.is_sliding:
+            raise ValueError("segmented decode steps need a StaticCache of full-attention layers")
+
+
+def decoder_stages(base: Any, cache: Any) -> list[Stage]:
+    """The decode step after its embedding, as a pipeline (see module docstring).
+
+    NOTE: each stage looks its modules up on the model when it runs, so a module swapped in
+    afterwards (fused kernels, graphguard/hf_kernels.py) is the one a capture records."""
+    decoder = base.model
+    stages = [Stage("rope", partial(_rope, decoder))]
+    for index, layer in enumerate(decoder.layers[: decoder.config.num_hidden_layers]):
+        stages += [
+            Stage(f"norm{index}", partial(_norm, layer)),
+            Stage(f"attn{index}", partial(_attend, layer, cache, index), eager=True),
+            Stage(f"mlp{index}", partial(_mlp, layer)),
+        ]
+    stages.append(Stage("head", partial(_head, base)))
+    return stages
+
+
+def _rope(decoder: Any, hidden: Tensor, position_ids: Tensor) -> Carry:
+    cos, sin = decoder.rotary_emb(hidden, position_ids)
+    return hidden, cos, sin
+
+
+def _norm(layer: Any, residual: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+    return residual, layer.input_layernorm(residual), cos, sin
+
+
+def _attend(
+    layer: Any,
+    cache: Any,
+    index: int,
+    context: StepContext,
+    residual: Tensor,
+    normed: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+) -> Carry:
+    """One layer's attention, called as its decoder layer calls it; idempotent: its cache
+    layer's counter is set to the step's position first (module docstring)."""
+    cache.layers[index].cumulative_length.copy_(context.position)
+    attended, _ = layer.self_attn(
+        hidden_states=normed,
+        attention_mask=context.mask,
+        position_ids=context.position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        position_embeddings=(cos, sin),
+    )
+    return residual, attended, cos, sin
+
+
+def _mlp(layer: Any, residual: Tensor, attended: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+    hidden = residual + attended
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), cos, sin
+
+
+def _head(base: Any, hidden: Tensor, *_: Tensor) -> Carry:
+    return (base.lm_head(base.model.norm(hidden))[:, -1, :],)
+
+
+class DecoderSegments:
+    """A GraphedCausalLM's decode step as segments (`mode` SEGMENTED), or the whole step's
+    graphs with segments for the keys whose whole step is refused for good (`mode` AUTO).
+
+    Args:
+        model: the transformers causal LM (a PEFT model too), as GraphedCausalLM takes it.
+        cache: its StaticCache, prefilled before the first step.
+        mode: SEGMENTED or AUTO.
+        whole: the whole step's GraphRunner, called as `whole(ids, position, adapters)` (AUTO).
+        max_bytes, verify, admission, capture, backend, metrics: the SegmentedRunner's; its
+            graphs keep the model and the cache alive.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: Any,
+        mode: DecodeMode,
+        whole: GraphRunner,
+        *,
+        max_bytes: int,
+        verify: str | VerifyConfig,
+        admission: AdmissionConfig | None,
+        capture: CaptureConfig,
+        backend: str | Backend,
+        metrics: GraphMetrics | None,
+    ):
+        if mode is DecodeMode.WHOLE:
+            raise ValueError("DecoderSegments runs the segmented and auto modes")
+        self.base = base_model(model)
+        check_segmentable(self.base, cache)
+        self.cache = cache
+        self.mode = mode
+        self.whole = whole
+        self.runner = AdapterSegmentedRunner(
+            decoder_stages(self.base, cache),
+            max_bytes=max_bytes,
+            verify=verify,
+            admission=admission,
+            # NOTE: every group keeps the weights and the cache its holes write alive
+            capture=replace(capture, retain=(*capture.retain, model, cache)),
+            backend=backend,
+            metrics=metrics,
+            name="hf_segments",
+        )
+
+    def __call__(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
+        """Logits [B, vocab] of one token per row at `position` (a [1] tensor)."""
+        if self.mode is DecodeMode.AUTO and not self.is_refused(ids, position, adapters):
+            return self.whole(ids, position, adapters)
+        return self.step(ids, position, adapters)
+
+    def is_refused(self, ids: Tensor, position: Tensor, adapters: Hashable) -> bool:
+        """Whether the whole step's key of this call was refused for a reason segments avoid."""
+        plan = self.whole.plan((ids, position, adapters))
+        if isinstance(plan, FallbackReason):
+            return False
+        return self.whole.policy.refusals.get(plan.key) in SEGMENTS_AVOID
+
+    def step(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
+        """The segmented step: the embedding and the mask eagerly, as the model builds them,
+        then the pipeline."""
+        from transformers.masking_utils import create_causal_mask
+
+        decoder = self.base.model
+        hidden = decoder.embed_tokens(ids)
+        position_ids = position.view(1, 1)
+        mask = create_causal_mask(
+            config=decoder.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=self.cache,
+            position_ids=position_ids,
+        )
+        context = StepContext(mask, position_ids, position.view(()), adapters)
+        (logits,) = self.runner((hidden, position_ids), context)
+        return logits
+
+    def close(self) -> None:
+        self.runner.close()
