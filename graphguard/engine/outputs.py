@@ -81,6 +81,8 @@ def finish_reason(
     """Why `seq` ends with `token_id` (appended already), or None; feeds the detokenizer."""
     if not seq.params.ignore_eos and token_id in eos_token_ids:
         return "stop"
+    if token_id in seq.params.stop_token_ids:  # as an end of sequence: its text is left out
+        return "stop"
     detokenizer.add_token(token_id)
     if detokenizer.is_stopped or (seq.grammar is not None and seq.grammar.is_finished):
         return "stop"  # a stop string, or the end of the response_format's document

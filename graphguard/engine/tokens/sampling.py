@@ -36,7 +36,9 @@ class SamplingParams:
     them, and the request's first output carries them). ``logit_bias`` adds its bias to its
     token's logit before anything else (OpenAI semantics: -100 bans a token, 100 all but
     forces it); ``response_format`` confines the output to a JSON grammar
-    (graphguard.engine.tokens.structured).
+    (graphguard.engine.tokens.structured). ``stop_token_ids`` end the request like an
+    end-of-sequence token (``ignore_eos`` aside): the token is kept among its output ids and
+    its text is left out.
     """
 
     max_tokens: int = 16
@@ -45,6 +47,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -103,6 +106,8 @@ class SamplingParams:
             raise ValueError(f"seed must fit a signed 64-bit integer, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
 
     def _validate_logit_bias(self) -> None:
         token_ids = [token_id for token_id, _ in self.logit_bias]
