@@ -1,14 +1,19 @@
 """Paged decode attention in Triton: split-K (flash-decoding), GQA-aware, float32 accumulation.
 
-Each program of the first kernel takes one sequence, one KV head and one split of the context:
-it loads the group's query heads once, walks only the split's real tokens (up to the
-sequence's length, never the padded width) through the block table, and keeps an online
-softmax. With one split it writes the output directly; otherwise it writes a normalized partial
-and its log-sum-exp, and a second kernel merges a sequence's partials in split order.
+Each program of the first kernel takes one row, one KV head and one split of the context: it
+loads the group's query heads once, walks only the split's real tokens (up to the row's
+length, never the padded width) through the block table, and keeps an online softmax. With one
+split it writes the output directly; otherwise it writes a normalized partial and its
+log-sum-exp, and a second kernel merges a row's partials, a chunk of splits at a time, in split
+order.
 
-NOTE: deterministic for a given width: the split plan depends only on it, each split's tokens
-are reduced in one fixed order, and the merge goes in split order, so a graph replay equals the
-eager call bit for bit, and a row's output does not depend on the other rows of its batch.
+NOTE: deterministic for a given graph key: the split plan (graphguard/kernels/decode_plan.py)
+depends only on the table width, the power of two at or above the number of rows and the KV
+heads, each split's tokens are reduced in one fixed order, and the merge goes in split order.
+A graph key's eager call and its replay see the same rows (the decode path pads a batch to its
+bucket), so they are bitwise equal; and a row's output depends neither on the other rows'
+values nor on how many share its batch within one power of two (11 rows unpadded, or padded
+to their bucket of 16).
 """
 
 from __future__ import annotations
@@ -18,11 +23,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_N = 64  # context tokens per tile
-# Context tokens per split: a 256-token context is one program per (sequence, KV head) that
-# writes its output directly; longer ones split, so even a batch of one fills the device.
-SPLIT_TOKENS = 256
-MAX_SPLITS = 64
+from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule
+
+MERGE_CHUNK = 16  # splits the merge loads at once: a few round trips, not one per split
 
 
 @triton.jit
@@ -31,28 +34,31 @@ def _attend_tile(
     first,
     end,
     table_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    kv_head,
+    k_head_ptr,
+    v_head_ptr,
+    lane_block,
+    lane_offsets,
     scale,
     m,
     total,
     acc,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One tile of BLOCK_N context tokens from `first` (those before `end`) into the online
-    softmax state (m, total, acc) of the group's query heads."""
-    tokens = first + tl.arange(0, BLOCK_N)
-    valid = tokens < end
-    block = tl.load(table_ptr + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slot = (block * BLOCK_SIZE + tokens % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-    offsets = slot[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)  # issued with k
+    softmax state (m, total, acc) of the group's query heads.
+
+    `first` is a multiple of BLOCK_N, so with power-of-two blocks a tile's token i is in table
+    entry first // BLOCK_SIZE + lane_block[i], at row first % BLOCK_SIZE + i % BLOCK_SIZE of
+    that block: only the block ids and one scalar offset change from tile to tile."""
+    valid = first + tl.arange(0, BLOCK_N) < end
+    block = tl.load(table_ptr + first // BLOCK_SIZE + lane_block, mask=valid, other=0)
+    row = block.to(tl.int64) * BLOCK_SIZE + first % BLOCK_SIZE
+    offsets = (row * ROW_STRIDE)[:, None] + lane_offsets
+    k = tl.load(k_head_ptr + offsets, mask=valid[:, None], other=0.0)
+    v = tl.load(v_head_ptr + offsets, mask=valid[:, None], other=0.0)  # issued with k
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -62,7 +68,10 @@ def _attend_tile(
     return m_new, total * alpha + tl.sum(p, axis=1), acc
 
 
-@triton.jit
+# NOTE: the plan's integers are not specialized on: Triton compiles a kernel again for each
+# class of an integer argument (1, a multiple of 16, any other), and every split count would
+# otherwise find a cold kernel in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits", "split_tokens"])
 def _partial_kernel(
     q_ptr,
     k_cache_ptr,
@@ -101,12 +110,19 @@ def _partial_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    # Loop invariants of the tile walk: this head's K/V, each lane's table entry and offset.
+    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # one cache slot's elements
+    k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
+    v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
+    table_ptr = tables_ptr + seq * stride_table
+    tile_lanes = tl.arange(0, BLOCK_N)
+    lane_block = tile_lanes // BLOCK_SIZE
+    lane_offsets = (tile_lanes % BLOCK_SIZE)[:, None] * row_stride + dims[None, :]
     if DYNAMIC_LOOP:  # the device: a loop the compiler can pipeline
         for first in range(start, end, BLOCK_N):
             m, total, acc = _attend_tile(
-                q, first, end, tables_ptr + seq * stride_table, k_cache_ptr, v_cache_ptr,
-                kv_head, scale, m, total, acc,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                q, first, end, table_ptr, k_head_ptr, v_head_ptr, lane_block, lane_offsets,
+                scale, m, total, acc, row_stride, BLOCK_SIZE, BLOCK_N, PRECISION,
             )  # fmt: skip
     else:
         # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: a fixed
@@ -115,9 +131,8 @@ def _partial_kernel(
             first = start + tile * BLOCK_N
             if first < end:
                 m, total, acc = _attend_tile(
-                    q, first, end, tables_ptr + seq * stride_table, k_cache_ptr, v_cache_ptr,
-                    kv_head, scale, m, total, acc,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, PRECISION,
+                    q, first, end, table_ptr, k_head_ptr, v_head_ptr, lane_block, lane_offsets,
+                    scale, m, total, acc, row_stride, BLOCK_SIZE, BLOCK_N, PRECISION,
                 )  # fmt: skip
     # A split past the sequence's end (or a padding row of length 0) has total 0.
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -133,19 +148,30 @@ def _partial_kernel(
 
 
 @triton.jit
-def _merge_split(
-    part_out_ptr, part_lse_ptr, part, dims, one, m, total, acc, HEAD_DIM: tl.constexpr
-):
-    """Partial `part` (a sequence's head's split) into the running (m, total, acc)."""
-    lse = tl.load(part_lse_ptr + part + one)
-    value = tl.load(part_out_ptr + part * HEAD_DIM + dims)
-    m_new = tl.maximum(m, lse)
+def _merge_chunk(
+    part_out_ptr, part_lse_ptr, first_part, first, num_used, dims, m, total, acc,
+    CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Splits first .. first + CHUNK (those below `num_used`) of a row's head, whose partials
+    start at `first_part`, into the running (m, total, acc): one load of their log-sum-exps and
+    one of their partials, independent of the previous chunk's, so the loads of consecutive
+    chunks overlap instead of waiting on each other."""
+    splits = first + tl.arange(0, CHUNK)
+    used = splits < num_used
+    lse = tl.load(part_lse_ptr + first_part + splits, mask=used, other=float("-inf"))
+    values = tl.load(
+        part_out_ptr + (first_part + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=used[:, None], other=0.0,
+    )  # fmt: skip
+    # NOTE: a used split holds at least one token, so its lse (and m_new) is finite
+    m_new = tl.maximum(m, tl.max(lse, axis=0))
     alpha = tl.exp(m - m_new)
-    beta = tl.exp(lse - m_new)
-    return m_new, total * alpha + beta, acc * alpha + value * beta
+    beta = tl.exp(lse - m_new)  # 0 for the chunk's unused splits
+    acc = acc * alpha + tl.sum(values * beta[:, None], axis=0)
+    return m_new, total * alpha + tl.sum(beta, axis=0), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_tokens"])
 def _merge_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -154,7 +180,8 @@ def _merge_kernel(
     split_tokens,
     num_splits,
     num_heads,
-    NUM_SPLITS: tl.constexpr,  # the interpreter's trip count (num_splits)
+    NUM_CHUNKS: tl.constexpr,  # the interpreter's trip count (num_splits / CHUNK, rounded up)
+    CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr,
 ):
@@ -163,24 +190,24 @@ def _merge_kernel(
     row = seq * num_heads + head
     seq_len = tl.load(seq_lens_ptr + seq)
     num_used = (seq_len + split_tokens - 1) // split_tokens
+    first_part = row * num_splits
     dims = tl.arange(0, HEAD_DIM)
-    one = tl.zeros([1], tl.int32)
-    m = tl.full([1], float("-inf"), tl.float32)
-    total = tl.zeros([1], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    # NOTE: in split order, so the merge is deterministic
+    # NOTE: chunks in split order, each reduced in one fixed order: the merge is deterministic
     if DYNAMIC_LOOP:
-        for split in range(0, num_used):
-            m, total, acc = _merge_split(
-                part_out_ptr, part_lse_ptr, row * num_splits + split, dims, one, m, total, acc,
-                HEAD_DIM,
+        for first in range(0, num_used, CHUNK):
+            m, total, acc = _merge_chunk(
+                part_out_ptr, part_lse_ptr, first_part, first, num_used, dims, m, total, acc,
+                CHUNK, HEAD_DIM,
             )  # fmt: skip
     else:
-        for split in range(NUM_SPLITS):
-            if split < num_used:
-                m, total, acc = _merge_split(
-                    part_out_ptr, part_lse_ptr, row * num_splits + split, dims, one, m, total,
-                    acc, HEAD_DIM,
+        for chunk in range(NUM_CHUNKS):
+            if chunk * CHUNK < num_used:
+                m, total, acc = _merge_chunk(
+                    part_out_ptr, part_lse_ptr, first_part, chunk * CHUNK, num_used, dims, m,
+                    total, acc, CHUNK, HEAD_DIM,
                 )  # fmt: skip
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
@@ -191,28 +218,18 @@ def _merge_kernel(
 _INTERPRETED = type(_partial_kernel).__name__ == "InterpretedFunction"
 
 
-def plan_splits(ctx_tokens: int) -> tuple[int, int]:
-    """(num_splits, split_tokens) for a context of `ctx_tokens` slots: splits of about
-    SPLIT_TOKENS (at most MAX_SPLITS), each a whole number of BLOCK_N tiles.
-
-    NOTE: a function of the width alone, not of the batch or the device, so a row's result
-    does not depend on how many rows share its batch (a graph's padded batch computes each
-    real row exactly as the unpadded eager call does).
-    """
-    splits = max(1, min(triton.cdiv(ctx_tokens, SPLIT_TOKENS), MAX_SPLITS))
-    split_tokens = triton.cdiv(triton.cdiv(ctx_tokens, splits), BLOCK_N) * BLOCK_N
-    return triton.cdiv(ctx_tokens, split_tokens), split_tokens
-
-
 def decode_attention(
     q: Tensor,
     kv_cache: tuple[Tensor, Tensor],
     block_tables: Tensor,
     seq_lens: Tensor,
     scale: float,
+    rule: SplitRule = SPLIT_RULE,
 ) -> Tensor:
     """q ``[B, Hq, D]`` over the paged cache ``[num_blocks, block_size, Hkv, D]`` of each row's
-    first ``seq_lens[b]`` tokens (block table ``[B, width]`` int32) -> ``[B, Hq, D]``."""
+    first ``seq_lens[b]`` tokens (block table ``[B, width]`` int32) -> ``[B, Hq, D]``.
+
+    `rule` picks the split plan (graphguard/kernels/decode_plan.py; tests try others)."""
     k_cache, v_cache = kv_cache
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -223,29 +240,29 @@ def decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    ctx_tokens = block_tables.shape[1] * block_size
-    splits, split_tokens = plan_splits(ctx_tokens)
-    group = num_heads // num_kv_heads
+    plan = rule.plan(block_tables.shape[1] * block_size, num_seqs, num_kv_heads)
     part_out = part_lse = out
-    if splits > 1:
-        part_out = q.new_empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32)
-        part_lse = q.new_empty((num_seqs, num_heads, splits), dtype=torch.float32)
-    _partial_kernel[(num_seqs, num_kv_heads, splits)](
+    if plan.num_splits > 1:
+        part_out = q.new_empty((*q.shape[:2], plan.num_splits, head_dim), dtype=torch.float32)
+        part_lse = q.new_empty((*q.shape[:2], plan.num_splits), dtype=torch.float32)
+    _partial_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
-        scale, block_tables.stride(0), splits, split_tokens,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        scale, block_tables.stride(0), plan.num_splits, plan.split_tokens,
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=plan.block_n,
         # NOTE: on the device the split's length is a runtime value: one compile serves every
         # width (only the interpreter needs its trip count as a constant).
-        SPLIT_TILES=split_tokens // BLOCK_N if _INTERPRETED else 1,
-        DYNAMIC_LOOP=not _INTERPRETED, DIRECT=splits == 1,
+        SPLIT_TILES=plan.split_tokens // plan.block_n if _INTERPRETED else 1,
+        DYNAMIC_LOOP=not _INTERPRETED, DIRECT=plan.num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if plan.num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, seq_lens, out, split_tokens, splits, num_heads,
-            NUM_SPLITS=splits if _INTERPRETED else 1, HEAD_DIM=head_dim,
-            DYNAMIC_LOOP=not _INTERPRETED, num_warps=1,
+            part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
+            NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
+            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, num_warps=2,
         )  # fmt: skip
     return out

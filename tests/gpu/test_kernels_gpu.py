@@ -95,7 +95,7 @@ def test_rope_with_cache_write_matches_reference(fused, heads, with_norm):
 @pytest.mark.parametrize("heads", HEADS, ids=["smollm2", "qwen3"])
 @pytest.mark.parametrize(
     "lens,width",
-    [([1], 1), ([7, 16, 17], 2), ([300, 1, 511, 77, 2048], 128), ([0, 5], 4)],
+    [([1], 1), ([7, 16, 17], 2), ([300, 1, 511, 77, 2048], 128), ([0, 5], 4), ([30000], 2048)],
 )
 def test_decode_attention_matches_reference(fused, heads, lens, width):
     q, cache, tables, seq_lens = paged_batch(heads, lens, width, BF16, "cuda")
@@ -109,12 +109,16 @@ def test_decode_attention_matches_reference(fused, heads, lens, width):
     assert not out[~real].any()  # a padding row of length 0 is zeros, never NaN
 
 
-def test_a_rows_decode_attention_does_not_depend_on_its_batch(fused):
+def test_a_rows_decode_attention_is_the_same_unpadded_and_in_its_buckets_batch(fused):
+    # 3 rows at 16k slots: counted as 4 (their bucket), not 3, when the splits are planned
     heads = HEADS[1]
-    q, cache, tables, seq_lens = paged_batch(heads, [1500, 3, 700, 64], 128, BF16, "cuda")
-    together = fused.decode_attention(q, cache, tables, seq_lens, 0.1)
-    alone = fused.decode_attention(q[:1], cache, tables[:1], seq_lens[:1], 0.1)
-    assert torch.equal(together[:1], alone)
+    q, cache, tables, seq_lens = paged_batch(heads, [15000, 3, 9000], 1024, BF16, "cuda")
+    alone = fused.decode_attention(q, cache, tables, seq_lens, 0.1)
+    pad_q = torch.cat([q, torch.randn_like(q[:1])])
+    pad_tables = torch.cat([tables, torch.zeros_like(tables[:1])])  # the dummy block
+    pad_lens = torch.cat([seq_lens, torch.ones_like(seq_lens[:1])])
+    padded = fused.decode_attention(pad_q, cache, pad_tables, pad_lens, 0.1)
+    assert torch.equal(padded[:3], alone)
 
 
 def test_decode_attention_replays_bitwise_equal_to_eager(fused):

@@ -1,0 +1,168 @@
+"""The split plan of the Triton decode attention (graphguard/kernels/triton_decode.py): what it
+picks for long contexts and large batches, that every plan gives the reference's attention, and
+the invariant it keeps: a row computes the same bits in an unpadded eager batch as in the padded
+batch of its bucket. Run by Triton's CPU interpreter, at small sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
+pytest.importorskip("triton")
+
+from graphguard.core.keys import Buckets  # noqa: E402
+from graphguard.engine.config import GraphConfig  # noqa: E402
+from graphguard.engine.shapes import DECODE_PAD  # noqa: E402
+from graphguard.kernels import triton_decode  # noqa: E402
+from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
+from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton kernels were imported for the device", allow_module_level=True)
+
+TOLERANCE = {torch.float16: 6e-3, torch.float32: 2e-5}
+WIDTHS_TOKENS = [128, 256, 512, 2048, 8192, 32768, 131072]
+
+
+def programs(plan: SplitPlan, rows: int, kv_heads: int) -> int:
+    return rows * kv_heads * plan.num_splits
+
+
+def reference(q, cache, tables, seq_lens, scale):
+    return REFERENCE.decode_attention(
+        q.float(), (cache[0].float(), cache[1].float()), tables, seq_lens, scale
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 2048])
+@pytest.mark.parametrize("kv_heads", [1, 3, 8])
+def test_a_plan_covers_the_context_in_whole_tiles_of_long_enough_splits(rows, kv_heads):
+    for ctx in WIDTHS_TOKENS:
+        plan = plan_splits(ctx, rows, kv_heads)
+        assert (
+            plan.num_splits * plan.split_tokens >= ctx > (plan.num_splits - 1) * plan.split_tokens
+        )
+        assert plan.split_tokens % plan.block_n == 0
+        assert 1 <= plan.num_splits <= SPLIT_RULE.max_splits
+        if plan.num_splits > 1:
+            assert plan.split_tokens >= SPLIT_RULE.min_split_tokens
+            assert programs(plan, rows, kv_heads) <= SPLIT_RULE.target_programs
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+def test_short_contexts_are_one_split_whatever_the_batch(rows):
+    for ctx in (128, SPLIT_RULE.direct_tokens):
+        assert plan_splits(ctx, rows, 8).num_splits == 1
+
+
+@pytest.mark.parametrize("ctx", [8192, 32768])
+def test_a_batch_of_one_at_a_long_context_fills_the_device(ctx):
+    plan = plan_splits(ctx, 1, 8)  # the 8 KV heads of Qwen3-0.6B and Llama-3.1-8B
+    assert programs(plan, 1, 8) >= SPLIT_RULE.target_programs // 2
+    assert plan.num_splits > plan_splits(ctx, 16, 8).num_splits
+
+
+def test_more_rows_take_fewer_and_longer_splits_down_to_one():
+    plans = [plan_splits(8192, rows, 8) for rows in (1, 2, 4, 8, 16, 32, 64, 128)]
+    splits = [plan.num_splits for plan in plans]
+    assert splits == sorted(splits, reverse=True) and splits[-1] == 1
+    sixteen = plan_splits(8192, 16, 8)  # 16 streams at 8k: the rows fill the device already
+    assert programs(sixteen, 16, 8) >= SPLIT_RULE.target_programs // 2
+    assert sixteen.split_tokens >= 8 * SPLIT_RULE.min_split_tokens
+
+
+def test_the_plan_depends_on_the_rows_only_through_their_power_of_two():
+    for ctx in WIDTHS_TOKENS:
+        for rows in range(1, 130):
+            bucket = 1 << (rows - 1).bit_length()
+            assert plan_splits(ctx, rows, 8) == plan_splits(ctx, bucket, 8)
+
+
+# (lens, width in blocks): one split; several splits in one merge chunk; more splits than a
+# merge chunk (a batch of one); rows that end inside a split, a padding row of length 0
+PLANNED_CASES = [([37, 200], 16), ([700, 1, 1024], 64), ([2500], 160), ([0, 900, 513], 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", HEADS, ids=["smollm2", "qwen3"])
+@pytest.mark.parametrize("lens,width", PLANNED_CASES)
+def test_the_planned_attention_matches_the_reference(dtype, heads, lens, width):
+    q, cache, tables, seq_lens = paged_batch(heads, lens, width, dtype, "cpu")
+    scale = heads.head_dim**-0.5
+    actual = triton_decode.decode_attention(q, cache, tables, seq_lens, scale)
+    real = seq_lens > 0
+    expected = reference(q, cache, tables, seq_lens, scale)
+    assert rel_error(actual[real], expected[real]) < TOLERANCE[dtype]
+    assert not actual[~real].any()
+
+
+# Rules other than the default: tiles of 32 and 128 with their warps and stages, more splits
+# than a merge chunk with a last chunk of one split, one split over the whole context.
+OTHER_RULES = [
+    SplitRule(min_split_tokens=64, block_n=32, num_warps=2),
+    SplitRule(min_split_tokens=128, block_n=128, num_warps=8, num_stages=3),
+    SplitRule(min_split_tokens=64, target_programs=17 * 8 * 4),
+    SplitRule(direct_tokens=1 << 20),
+]
+
+
+@pytest.mark.parametrize("rule", OTHER_RULES, ids=["tiles32", "tiles128", "chunks2", "direct"])
+def test_any_rule_gives_the_reference(rule):
+    heads = HEADS[1]
+    q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
+    actual = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
+    assert rel_error(actual, reference(q, cache, tables, seq_lens, 0.1)) < TOLERANCE[torch.float32]
+
+
+def test_an_unusable_rule_is_refused():
+    for bad in (dict(block_n=48), dict(block_n=8), dict(target_programs=0)):
+        with pytest.raises(ValueError, match="unusable"):
+            SplitRule(**bad)
+
+
+def pad_to(rows: int, q, tables, seq_lens):
+    """The batch as the decode path pads it to `rows` (graphguard/engine/shapes.py DECODE_PAD):
+    padding rows over the dummy block with length 1."""
+    pad = rows - q.shape[0]
+    _, _, pad_block, pad_len, _ = DECODE_PAD
+    return (
+        torch.cat([q, torch.randn(pad, *q.shape[1:]).to(q.dtype)]),
+        torch.cat([tables, torch.full((pad, tables.shape[1]), pad_block, dtype=tables.dtype)]),
+        torch.cat([seq_lens, torch.full((pad,), pad_len, dtype=seq_lens.dtype)]),
+    )
+
+
+# A rule small enough for the interpreter, under which these rows' count itself, not rounded
+# up, would pick another split count than their bucket's (14 / 7 / 3 against 10 / 5 / 2).
+SMALL_RULE = SplitRule(target_programs=128)
+
+
+@pytest.mark.parametrize("num_rows", [3, 6, 11])
+def test_a_row_gives_the_same_bits_unpadded_and_in_its_buckets_padded_batch(num_rows):
+    heads = HEADS[0]
+    bucket = Buckets(GraphConfig().batch_buckets).bucket_for(num_rows)
+    assert bucket is not None and bucket > num_rows
+    lens = [700 - 50 * i for i in range(num_rows)]  # the plan reads the width, not these
+    q, cache, tables, seq_lens = paged_batch(heads, lens, 128, torch.float16, "cpu")
+    assert SMALL_RULE.plan(128 * BLOCK_SIZE, bucket, heads.num_kv_heads).num_splits > 1
+    eager = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=SMALL_RULE)
+    padded_q, padded_tables, padded_lens = pad_to(bucket, q, tables, seq_lens)
+    padded = triton_decode.decode_attention(
+        padded_q, cache, padded_tables, padded_lens, 0.1, rule=SMALL_RULE
+    )
+    assert torch.equal(eager, padded[:num_rows])
+
+
+def test_a_rows_output_does_not_depend_on_the_other_rows():
+    heads = HEADS[0]
+    q, cache, tables, seq_lens = paged_batch(heads, [900, 5, 77], 64, torch.float16, "cpu")
+    first = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1)
+    others = q.clone()
+    others[1:] = torch.randn_like(others[1:].float()).to(others.dtype)
+    lens = seq_lens.clone()
+    lens[1:] = torch.tensor([1000, 3], dtype=lens.dtype)
+    second = triton_decode.decode_attention(others, cache, tables, lens, 0.1)
+    assert torch.equal(first[0], second[0])
