@@ -1,15 +1,25 @@
 """The fused kernel set: Triton kernels for the decoder's norms, RoPE, MLP activation and paged
-decode attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights concatenated at
-load; up to 16 rows, a Triton kernel made for few rows). Short prefills run their attention as
-decode rows (graphguard/engine/models/forward.py `prefills_as_rows`); everything else, and the
-attention of long prefills (SDPA's flash kernels), is the reference's."""
+decode and prefill attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights
+concatenated at load; up to 16 rows, a Triton kernel made for few rows). Short prefills run
+their attention as decode rows (graphguard/engine/shapes.py `prefills_as_rows`); a packed
+prefill's attention is one varlen launch over the paged cache (`triton_prefill.py`);
+everything else is the reference's."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphguard.kernels import triton_decode, triton_linear, triton_mlp, triton_norm, triton_rope
+from graphguard.kernels import (
+    triton_decode,
+    triton_linear,
+    triton_mlp,
+    triton_norm,
+    triton_prefill,
+    triton_rope,
+)
 from graphguard.kernels.reference import TorchKernels
 
 
@@ -20,6 +30,7 @@ class TritonKernels(TorchKernels):
     # A prefill whose tokens x longest context is at most 512 x 2,048 runs as decode-attention
     # rows: each row walks only its own context, one launch per layer.
     row_prefill_area = 512 * 2048
+    needs_prefill_groups = False  # one launch attends every sequence of a packed prefill
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
@@ -35,3 +46,17 @@ class TritonKernels(TorchKernels):
     rope_qkv = staticmethod(triton_rope.rope_qkv)
     rope_qkv_write = staticmethod(triton_rope.rope_qkv_write)
     decode_attention = staticmethod(triton_decode.decode_attention)
+
+    def prefill_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: tuple[Tensor, Tensor],
+        meta: Any,
+        scale: float,
+    ) -> Tensor:
+        # NOTE: k and v are read where they were written, in the cache: no gather, no mask.
+        return triton_prefill.prefill_attention(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+        )

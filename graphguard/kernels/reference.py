@@ -109,6 +109,10 @@ class TorchKernels:
     # `decode_attention` (graphguard/engine/models/forward.py `prefills_as_rows`); 0: never, as this
     # set's decode attention gathers every row's whole context
     row_prefill_area = 0
+    # whether `prefill_attention` reads the metadata's prefill groups (`plan_prefill_groups`,
+    # planned on the host every packed prefill step); a set whose kernel attends all of a
+    # step's sequences in one launch needs none planned
+    needs_prefill_groups = True
 
     def prepare(self, model: nn.Module) -> None:
         """Ready the set for `model`'s weights (at start and after weights are loaded in
@@ -172,6 +176,25 @@ class TorchKernels:
     ) -> Tensor:
         """One query token per row over its paged context (see `decode_attention`)."""
         return decode_attention(q, *kv_cache, block_tables, seq_lens, scale)
+
+    def prefill_attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: tuple[Tensor, Tensor],
+        meta: Any,
+        scale: float,
+    ) -> Tensor:
+        """Causal attention of a packed prefill's new tokens ``q [T, Hq, D]`` (their K/V `k`, `v`
+        ``[T, Hkv, D]``, already written to `kv_cache`) over each sequence's cached and new
+        tokens -> ``[T, Hq, D]``. `meta` is the step's AttentionMetadata (graphguard/engine/models/
+        attention.py, whose `paged_prefill_attention` this is: SDPA per prefill group)."""
+        # NOTE: imported here: the engine's models import this module, and the plain PyTorch
+        # prefill attention lives beside the metadata it reads.
+        from graphguard.engine.models.attention import paged_prefill_attention
+
+        return paged_prefill_attention(q, k, v, *kv_cache, meta, scale)
 
     def attend_decode(
         self,

@@ -23,11 +23,7 @@ import torch
 from torch import Tensor
 
 from graphguard.engine.models import DecoderModel
-from graphguard.engine.models.attention import (
-    AttentionMetadata,
-    paged_prefill_attention,
-    plan_prefill_groups,
-)
+from graphguard.engine.models.attention import AttentionMetadata, plan_prefill_groups
 from graphguard.engine.models.layers import DecoderLayer
 from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.engine.shapes import DECODE_PAD, MIN_PREFILL_TOKENS, MIN_WIDTH_BLOCKS, ROW_BUCKETS
@@ -189,7 +185,7 @@ def prefill_stages(model: DecoderModel) -> list[Stage]:
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         stages.append(Stage(f"pre{index}", _pre_attention(model, layer, first=index == 0)))
-        stages.append(Stage(f"attn{index}", _attention(index, layer), eager=True))
+        stages.append(Stage(f"attn{index}", _attention(model, index, layer), eager=True))
         stages.append(Stage(f"post{index}", _post_attention(model, layer)))
     stages.append(Stage("norm", _final_norm(model)))
     return stages
@@ -216,13 +212,13 @@ def _pre_attention(model: DecoderModel, layer: DecoderLayer, first: bool) -> Any
     return pre
 
 
-def _attention(index: int, layer: DecoderLayer) -> Any:
+def _attention(model: DecoderModel, index: int, layer: DecoderLayer) -> Any:
     scale = layer.self_attn.scale
 
     def attention(ctx: PrefillContext, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *rope):
-        k_cache, v_cache = ctx.kv.k_cache[index], ctx.kv.v_cache[index]
-        write_kv(k_cache, v_cache, k, v, ctx.meta.slot_mapping)
-        out = paged_prefill_attention(q, k, v, k_cache, v_cache, ctx.meta, scale)
+        kv_cache = (ctx.kv.k_cache[index], ctx.kv.v_cache[index])
+        write_kv(*kv_cache, k, v, ctx.meta.slot_mapping)
+        out = model.kernels.prefill_attention(q, k, v, kv_cache, ctx.meta, scale)
         return (residual, out, *rope)
 
     return attention

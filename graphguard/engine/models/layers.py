@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from graphguard.engine.config import ModelConfig
-from graphguard.engine.models.attention import AttentionMetadata, paged_prefill_attention
+from graphguard.engine.models.attention import AttentionMetadata
 from graphguard.kernels import HeadShape, QKNorm, TorchKernels
 from graphguard.kernels.reference import rms_norm, write_kv
 
@@ -156,7 +156,7 @@ class GQAAttention(nn.Module):
         if meta.packed:
             q, k, v = self.project_qkv(x, rope, kernels)
             write_kv(*kv_cache, k, v, meta.slot_mapping)
-            out = paged_prefill_attention(q, k, v, *kv_cache, meta, self.scale)
+            out = kernels.prefill_attention(q, k, v, kv_cache, meta, self.scale)
         else:
             out = kernels.attend_decode(
                 self.qkv(x, kernels), rope, self.heads, self.qk_norm(), kv_cache,

@@ -19,7 +19,11 @@ import torch
 from torch import Tensor
 
 from graphguard.engine.graphs.component import EngineGraphs
-from graphguard.engine.models.attention import AttentionMetadata, plan_prefill_groups
+from graphguard.engine.models.attention import (
+    AttentionMetadata,
+    PrefillGroup,
+    plan_prefill_groups,
+)
 from graphguard.engine.models.forward import (
     EagerForward,
     ImageSplice,
@@ -143,8 +147,17 @@ class ModelRunner:
             query_start_loc=self._tensor(query_start_loc, torch.int32),
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
-            prefill_groups=plan_prefill_groups(query_lens, seq_lens, self.device),
+            prefill_groups=self._prefill_groups(query_lens, seq_lens),
         )
+
+    def _prefill_groups(
+        self, query_lens: list[int], seq_lens: list[int]
+    ) -> tuple[PrefillGroup, ...] | None:
+        """The step's prefill groups, planned once here for the kernel set that reads them
+        (None for one whose prefill attention takes every sequence in one launch)."""
+        if not self.model.kernels.needs_prefill_groups:
+            return None
+        return plan_prefill_groups(query_lens, seq_lens, self.device)
 
     def _prefill_rows(
         self,

@@ -1,0 +1,209 @@
+"""The Triton prefill attention kernel against the plain PyTorch prefill attention, run by
+Triton's CPU interpreter (float16 and float32: its bfloat16 matrix product is not faithful):
+packed sequences that end mid-block, chunks that continue over a cached prefix, single-token
+queries, GQA ratios 1 to 8, head dimensions 64 and 128, tiles small enough that a short context
+spans many of them; tests/gpu/test_prefill_kernel_gpu.py runs the same on the device."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules are imported
+pytest.importorskip("triton")
+
+from graphguard.engine.models import DecoderModel, build_model  # noqa: E402
+from graphguard.engine.models.attention import AttentionMetadata  # noqa: E402
+from graphguard.engine.models.forward import (  # noqa: E402
+    PrefillContext,
+    prefill_inputs,
+    prefill_stages,
+)
+from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
+from graphguard.kernels import HeadShape, TorchKernels  # noqa: E402
+from graphguard.kernels import triton_prefill as kernel  # noqa: E402
+from graphguard.kernels.fused import TritonKernels  # noqa: E402
+from graphguard.segmented import run_eager, split_segments  # noqa: E402
+from tests.kernel_cases import rel_error  # noqa: E402
+from tests.prefill_cases import PackedPrefill, packed_prefill, reference_attention  # noqa: E402
+from tests.tiny import tiny_config  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton kernels were imported for the device", allow_module_level=True)
+
+TOLERANCE = {torch.float16: 3e-3, torch.float32: 1e-5}
+# GQA ratio 1, 2 (Qwen3-0.6B's heads over fewer of them), 3 (SmolLM2's), 4 and 8
+HEADS = {
+    "mha": HeadShape(2, 2, 64),
+    "gqa2": HeadShape(4, 2, 128),
+    "gqa3": HeadShape(6, 2, 64),
+    "gqa4": HeadShape(4, 1, 64),
+    "gqa8": HeadShape(8, 1, 128),
+}
+# (new tokens, cached tokens) per sequence: fresh prompts ending mid-block; chunks continuing
+# over a cached prefix beside a fresh prompt; single-token queries; one long continued chunk
+STEPS = {
+    "fresh": ([5, 33, 17], [0, 0, 0]),
+    "continued": ([20, 7, 40], [40, 13, 0]),
+    "one_token": ([1, 1, 3], [0, 30, 17]),
+    "long_chunk": ([60], [100]),
+}
+# the launch's own block sizes, and tiles of 8 tokens x the group over keys 16 at a time
+SMALL_TILES = kernel.PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+
+
+def run(batch: PackedPrefill, scale: float, config=None) -> torch.Tensor:
+    meta = batch.meta
+    return kernel.prefill_attention(
+        batch.q, batch.kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+        config,
+    )  # fmt: skip
+
+
+def matches_reference(heads: HeadShape, step: tuple[list[int], list[int]], dtype) -> bool:
+    batch = packed_prefill(heads, *step, dtype, "cpu")
+    scale = heads.head_dim**-0.5
+    return rel_error(run(batch, scale), reference_attention(batch, scale)) < 2 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("step", STEPS.values(), ids=STEPS.keys())
+def test_prefill_attention_matches_reference_in_float16(heads, step):
+    assert matches_reference(heads, step, torch.float16)
+
+
+@pytest.mark.parametrize("heads", [HEADS["gqa2"], HEADS["gqa3"]], ids=["gqa2", "gqa3"])
+@pytest.mark.parametrize("step", STEPS.values(), ids=STEPS.keys())
+def test_prefill_attention_matches_reference_in_float32(heads, step):
+    assert matches_reference(heads, step, torch.float32)
+
+
+@pytest.mark.parametrize("heads", [HEADS["gqa3"], HEADS["gqa8"]], ids=["gqa3", "gqa8"])
+@pytest.mark.parametrize("step", STEPS.values(), ids=STEPS.keys())
+def test_small_tiles_match_reference(heads, step):
+    """Several query tiles per sequence and many key tiles per query tile, each of the tile
+    paths (whole, across the diagonal, past a sequence's end) taken many times."""
+    batch = packed_prefill(heads, *step, torch.float32, "cpu")
+    expected = reference_attention(batch, 0.1)
+    assert rel_error(run(batch, 0.1, SMALL_TILES), expected) < 2 * TOLERANCE[torch.float32]
+
+
+def test_is_causal_over_the_cached_prefix():
+    """Query i of a chunk after c cached tokens sees keys 0..c+i: changing a later key leaves
+    every earlier query's output as it was."""
+    batch = packed_prefill(HEADS["gqa2"], [24], [40], torch.float32, "cpu")
+    before = run(batch, 0.1, SMALL_TILES)
+    k_cache, v_cache = batch.kv_cache
+    slot = batch.meta.slot_mapping[10].item()  # the chunk's 11th token: position 50
+    for cache in (k_cache, v_cache):
+        cache.view(-1, *cache.shape[2:])[slot] += 1.0
+    after = run(batch, 0.1, SMALL_TILES)
+    assert torch.equal(after[:10], before[:10])
+    assert not torch.equal(after[10], before[10])
+
+
+def test_never_reads_slots_past_a_sequences_length():
+    """Slots of a sequence's blocks past its length (and unused blocks) may hold anything, NaN
+    included: the output is the reference's all the same."""
+    batch = packed_prefill(HEADS["gqa3"], [5, 20, 1], [0, 9, 30], torch.float32, "cpu")
+    expected = reference_attention(batch, 0.1)
+    live = torch.zeros(batch.kv_cache[0].shape[:2], dtype=torch.bool)
+    tables, lens = batch.meta.block_tables.long(), batch.meta.seq_lens_cpu or []
+    for table, seq_len in zip(tables, lens, strict=True):
+        positions = torch.arange(seq_len)
+        live[table[positions // live.shape[1]], positions % live.shape[1]] = True
+    for cache in batch.kv_cache:
+        cache[~live] = float("nan")
+    assert rel_error(run(batch, 0.1, SMALL_TILES), expected) < 2 * TOLERANCE[torch.float32]
+
+
+def test_two_calls_are_bitwise_equal_and_a_sequence_ignores_its_neighbours():
+    batch = packed_prefill(HEADS["gqa2"], [30, 9, 17], [5, 0, 40], torch.float16, "cpu")
+    first, second = run(batch, 0.1), run(batch, 0.1)
+    assert torch.equal(first, second)
+    meta = batch.meta  # the first sequence alone: its rows, its table row, its lengths
+    alone = kernel.prefill_attention(
+        batch.q[:30], batch.kv_cache, meta.query_start_loc[:2], meta.seq_lens[:1],
+        meta.block_tables[:1], 0.1,
+    )  # fmt: skip
+    assert torch.equal(alone, first[:30])
+
+
+def test_the_reference_set_runs_the_plain_pytorch_attention():
+    batch = packed_prefill(HEADS["gqa3"], [6, 11], [0, 21], torch.float32, "cpu")
+    k, v = batch.new_kv()
+    out = TorchKernels().prefill_attention(batch.q, k, v, batch.kv_cache, batch.meta, 0.1)
+    assert torch.equal(out, reference_attention(batch, 0.1))
+
+
+def test_configs_cover_the_head_dims_it_takes():
+    assert kernel.pick_config(64) == kernel.CONFIGS[64]
+    assert kernel.pick_config(32) == kernel.CONFIGS[64]
+    assert kernel.pick_config(128) == kernel.CONFIGS[128]
+    batch = packed_prefill(HeadShape(2, 2, 96), [4], [0], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="head_dim"):
+        run(batch, 0.1)
+
+
+class CountingTritonKernels(TritonKernels):
+    """The Triton set, counting the prefill attention calls the model makes through it."""
+
+    def __init__(self) -> None:
+        self.num_prefill_calls = 0
+
+    def prefill_attention(self, *args):
+        self.num_prefill_calls += 1
+        return super().prefill_attention(*args)
+
+
+def model_step(
+    model: DecoderModel, kv: PagedKVStorage, step: list[tuple[int, int, int]], staged: bool
+) -> torch.Tensor:
+    """Hidden states of one packed prefill step of (table row, cached, new tokens) sequences,
+    with no prefill groups planned (as the model runner leaves them for the Triton set); the
+    model's layers, or the prefill stages the segment graphs run."""
+    size, width = kv.block_size, 4
+    tables = torch.arange(1, 1 + 2 * width, dtype=torch.int32).view(2, width)
+    positions = [p for _, first, n in step for p in range(first, first + n)]
+    rows = [row for row, _, n in step for _ in range(n)]
+    tokens = list(zip(rows, positions, strict=True))
+    slots = [int(tables[r, p // size]) * size + p % size for r, p in tokens]
+    meta = AttentionMetadata(
+        packed=True,
+        slot_mapping=torch.tensor(slots),
+        block_tables=tables[[row for row, _, _ in step]],
+        seq_lens=torch.tensor([first + n for _, first, n in step], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *[n for *_, n in step]]).cumsum(0).int(),
+        seq_lens_cpu=[first + n for _, first, n in step],
+        query_lens_cpu=[n for *_, n in step],
+    )
+    ids = torch.tensor([(7 * p + r) % 97 for r, p in tokens])
+    pos = torch.tensor(positions)
+    if not staged:
+        return model(ids, pos, meta, kv)
+    carry = prefill_inputs(model, ids, pos, None)
+    return run_eager(split_segments(prefill_stages(model)), carry, PrefillContext(meta, kv))[0]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["layers", "stages"])
+def test_the_model_prefills_through_the_kernel_sets_attention(staged):
+    """A chunked prefill (a prompt's first 25 tokens, then its next 15 beside a fresh prompt of
+    9) through the Triton set's kernels gives the reference set's hidden states, every layer's
+    attention taken from the set."""
+    config = tiny_config(head_dim=16)
+    fused = CountingTritonKernels()
+    outputs = []
+    for kernels in (TorchKernels(), fused):
+        model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
+        model.use_kernels(kernels)
+        kv = PagedKVStorage(
+            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
+            num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
+        )  # fmt: skip
+        first = model_step(model, kv, [(0, 0, 25)], staged)
+        outputs.append((first, model_step(model, kv, [(0, 25, 15), (1, 0, 9)], staged)))
+    (ref_first, ref_second), (first, second) = outputs
+    assert rel_error(first, ref_first) < 1e-4 and rel_error(second, ref_second) < 1e-4
+    assert fused.num_prefill_calls == 2 * config.num_layers
