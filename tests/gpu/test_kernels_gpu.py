@@ -121,6 +121,28 @@ def test_a_rows_decode_attention_is_the_same_unpadded_and_in_its_buckets_batch(f
     assert torch.equal(padded[:3], alone)
 
 
+def test_long_contexts_reuse_the_decode_kernels_compiled_at_a_short_one(fused):
+    # NOTE: the split plan's integers are not specialized on, so a 32k context (128 splits)
+    # finds the kernels a 512-slot warm-up (4 splits) compiled, rather than compiling mid-serving
+    from triton.runtime.jit import JITFunction
+
+    from graphguard.kernels import triton_decode
+
+    def compiled() -> int:
+        kernels = [k for k in vars(triton_decode).values() if isinstance(k, JITFunction)]
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    def decode(lens: list[int], width: int) -> None:
+        q, cache, tables, seq_lens = paged_batch(HEADS[1], lens, width, BF16, "cuda")
+        fused.decode_attention(q, cache, tables, seq_lens, 0.1)
+
+    decode([300], 32)
+    warm = compiled()
+    for lens, width in (([8000], 512), ([30000], 2048), ([5000] * 16, 512)):
+        decode(lens, width)
+    assert compiled() == warm
+
+
 def test_decode_attention_replays_bitwise_equal_to_eager(fused):
     heads = HEADS[1]
     lens = torch.randint(1, 64 * BLOCK_SIZE, (32,)).tolist()
