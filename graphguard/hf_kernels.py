@@ -73,6 +73,55 @@ class FusedSwiGLU(nn.Module):
         return mlp.down_proj(both.view(gate.shape))
 
 
+class FusedAttention(nn.Module):
+    """A transformers attention with its q/k norms (where the model has them) and RoPE in one
+    kernel (graphguard/kernels/triton_rope.py `rope_pair`); the projections, the cache update
+    (`past_key_values.update`) and the attention function (transformers' registry, by the
+    model's `attn_implementation`) are the model's own."""
+
+    original: Any  # the transformers attention: projections, norms, config, layer_idx
+
+    def __init__(self, original: nn.Module, qk_norm: tuple[Tensor, Tensor, float] | None):
+        super().__init__()
+        self.original = original
+        self.qk_norm = qk_norm  # the norms' weights (read in place) and eps
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor],
+        attention_mask: Tensor | None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from graphguard.kernels.reference import QKNorm
+        from graphguard.kernels.triton_rope import rope_pair
+
+        attn = self.original
+        batch, length = hidden_states.shape[:2]
+        heads = (batch * length, -1, attn.head_dim)
+        cos, sin = position_embeddings
+        norm = QKNorm(*self.qk_norm) if self.qk_norm is not None else None
+        q, k = rope_pair(
+            attn.q_proj(hidden_states).view(heads), attn.k_proj(hidden_states).view(heads),
+            cos, sin, norm,
+        )  # fmt: skip
+        q, k, v = (
+            x.view(batch, length, -1, attn.head_dim).transpose(1, 2)
+            for x in (q, k, attn.v_proj(hidden_states))
+        )
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, attn.layer_idx)
+        if hasattr(attn, "sliding_window"):
+            kwargs["sliding_window"] = attn.sliding_window
+        attend = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        out, weights = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
+                              **kwargs)  # fmt: skip
+        return attn.o_proj(out.reshape(batch, length, -1).contiguous()), weights
+
+
 @dataclass
 class Fusion:
     """What `fuse_kernels` swapped (parent module, attribute, original) and what it left, by
@@ -132,6 +181,8 @@ def _check_device(device: torch.device) -> None:
 def _fused(module: nn.Module) -> nn.Module | None:
     """The fused stand-in for a module this file knows the shape of, else None."""
     name = type(module).__name__
+    if name.endswith("Attention"):
+        return _fused_attention(module)
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if name.endswith("RMSNorm") and isinstance(weight, Tensor) and weight.dim() == 1:
@@ -144,28 +195,64 @@ def _fused(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def _fused_attention(module: Any) -> nn.Module | None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    parts = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
+    if not all(hasattr(module, part) for part in parts):
+        return None
+    head_dim = module.head_dim
+    if (
+        head_dim & (head_dim - 1)
+        or module.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS
+    ):
+        return None  # the kernel takes power-of-two heads; "eager" is each model's own function
+    q_norm: Any = getattr(module, "q_norm", None)
+    k_norm: Any = getattr(module, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return FusedAttention(module, None)
+    if any(not isinstance(n, nn.Module) or _fused(n) is None for n in (q_norm, k_norm)):
+        return None
+    eps: set[Any] = {
+        getattr(n, "variance_epsilon", getattr(n, "eps", None)) for n in (q_norm, k_norm)
+    }
+    if len(eps) != 1:
+        return None
+    return FusedAttention(module, (q_norm.weight, k_norm.weight, float(eps.pop())))
+
+
 @torch.no_grad()
 def _disagreement(original: nn.Module, fused: nn.Module, device: torch.device) -> str | None:
     """Why `fused` may not stand in for `original` (None: it agrees on random rows)."""
-    width = _input_width(original)
-    dtype = next(original.parameters()).dtype
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, width, generator=generator).to(device=device, dtype=dtype)
+    args = _sample_inputs(original, device)
     try:
-        expected, got = original(x), fused(x)
+        expected, got = original(*args), fused(*args)
     except Exception as exc:  # noqa: BLE001 - a module the kernels cannot take is left alone
         return f"the fused forward failed: {type(exc).__name__}: {exc}"
+    if isinstance(expected, tuple):  # an attention's (output, weights)
+        expected, got = expected[0], got[0]
     error = (got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
     if got.shape != expected.shape or error > MAX_REL_ERROR:
         return f"computes something else (relative error {float(error):.3g})"
     return None
 
 
-def _input_width(module: Any) -> int:
+def _sample_inputs(module: Any, device: torch.device) -> tuple[Any, ...]:
+    """Random arguments of a module's forward: rows of its width (an attention: 3 tokens with
+    random cos/sin tables, no mask, no cache)."""
+    dtype = next(module.parameters()).dtype
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    if hasattr(module, "q_proj"):
+        angles = rand(1, 3, module.head_dim)
+        rows = rand(1, 3, module.q_proj.in_features)
+        return rows, (angles.cos(), angles.sin()), None
     weight: Any = getattr(module, "weight", None)
-    if isinstance(weight, Tensor):
-        return int(weight.shape[0])
-    return int(module.gate_proj.in_features)
+    width = weight.shape[0] if isinstance(weight, Tensor) else module.gate_proj.in_features
+    return (rand(3, int(width)),)
 
 
-__all__ = ["Fusion", "FusedRMSNorm", "FusedSwiGLU", "fuse_kernels"]
+__all__ = ["Fusion", "FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "fuse_kernels"]

@@ -16,7 +16,12 @@ transformers = pytest.importorskip("transformers")
 
 import graphguard as gg  # noqa: E402
 from graphguard.hf import GraphedCausalLM  # noqa: E402
-from graphguard.hf_kernels import FusedRMSNorm, FusedSwiGLU, fuse_kernels  # noqa: E402
+from graphguard.hf_kernels import (  # noqa: E402
+    FusedAttention,
+    FusedRMSNorm,
+    FusedSwiGLU,
+    fuse_kernels,
+)
 from tests.unit.test_hf import prompt, tiny  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -39,7 +44,8 @@ def test_every_norm_and_mlp_is_swapped_and_logits_stay_within_rounding(family, n
     expected = logits(model, prompt(2))
     fusion = fuse_kernels(model)
     kinds = [type(getattr(parent, name)) for parent, name, _ in fusion.swapped]
-    assert (kinds.count(FusedRMSNorm), kinds.count(FusedSwiGLU)) == (norms, 2)
+    counts = (kinds.count(FusedRMSNorm), kinds.count(FusedSwiGLU), kinds.count(FusedAttention))
+    assert counts == (norms, 2, 2)
     got = logits(model, prompt(2))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
