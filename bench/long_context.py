@@ -13,18 +13,14 @@ vocabulary (as bench/decode.py's SmolLM2 shape and the figures in docs/benchmark
 - decode tok/s: the same prompts again (their KV blocks come from the prefix cache), then,
   once every stream has its first token and WARM_STEPS more steps ran, generated tokens /
   wall time of the next `--decode-tokens` steps (`decode_replays`: how many of them replayed a
-  graph); the requests are then aborted. Floor: one
-  step reads every weight byte and every stream's KV once, at HBM_BYTES_PER_S (the H200's
-  measured copy bandwidth).
-- shared prefix: `--clients` clients each ask `--rounds` questions in turn (the next as soon
-  as the last is answered): a `--prefix`-token document shared by all, then a short question
-  of its own; TTFT (time from the request's submission to the step that returns its first
-  token) p50 / p99 with EngineConfig.prefix_caching on and off, after an untimed round on
-  another document.
+  graph); the requests are then aborted. Floor: one step reads every weight byte and every
+  stream's KV once, at HBM_BYTES_PER_S.
+- shared prefix (bench/shared_prefix.py): `--clients` clients each ask `--rounds` questions
+  in turn after one `--prefix`-token document; TTFT p50 / p99 with prefix caching on and off.
 
 A row whose KV pool does not fit the device's free memory is skipped with the reason, as are
 the rows `--skip` names (by default Llama-3.1-8B's 16 streams of 32k, which alone would take
-minutes). The default run takes about 8 minutes on an H200.
+minutes). The default run is sized to take about 8 minutes on an H200.
 
     python bench/long_context.py [--shapes qwen3-0.6b,llama-3.1-8b] [--prompts 512,8192,32768]
         [--batches 1,16] [--skip llama-3.1-8b:32768:16] [--decode-tokens 64] [--no-shared]
@@ -49,17 +45,18 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.decode import NumberTokenizer  # noqa: E402
-from bench.timing import out_dir, percentile, sync, write_json  # noqa: E402
-from graphguard.engine.config import PRESETS, ModelConfig  # noqa: E402
+from bench.shared_prefix import SharedLoad, random_prompts, shared_prefix  # noqa: E402
+from bench.timing import out_dir, sync, write_json  # noqa: E402
+from graphguard.engine.config import PRESETS, EngineConfig, ModelConfig  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
 from graphguard.engine.models.loader import LoadedModel  # noqa: E402
 from graphguard.engine.tokens.sampling import SamplingParams  # noqa: E402
 
-HBM_BYTES_PER_S = 4.25e12  # H200 copy bandwidth, measured (docs/benchmarks.md)
+HBM_BYTES_PER_S = 4.25e12  # H200 HBM (a 4.2 TB/s copy was measured there)
 DENSE_BF16_FLOPS = 989e12  # H100 / H200 SXM dense bf16 peak
 VOCAB = 49152
-BLOCK_SIZE = 16  # the engine's default KV block
+BLOCK_SIZE = EngineConfig().block_size  # the engine's default KV block
 WARM_STEPS = 8  # decode steps after the last first token, before the timed ones
 SHAPES = {
     "qwen3-0.6b": dataclasses.replace(PRESETS["qwen3-0.6b"], vocab_size=VOCAB),
@@ -100,11 +97,6 @@ def prefill_floor_s(config: ModelConfig, batch: int, length: int) -> float:
 
 def decode_floor_s(weights: int, kv_per_token: int, batch: int, context: int) -> float:
     return (weights + batch * context * kv_per_token) / HBM_BYTES_PER_S
-
-
-def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (num, length), generator=g).tolist()
 
 
 def prefill_s(llm: LLM, batch: list[list[int]]) -> float:
@@ -178,6 +170,8 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
             row["skipped"] = f"KV pool {need / 2**30:.1f} GiB > {room / 2**30:.1f} GiB free"
         else:
             runnable.append((batch, extra))
+        if "skipped" in row:
+            print(f"  {describe(row)}", flush=True)
         rows.append(row)
     if not runnable:
         return rows
@@ -190,7 +184,7 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
         prefix_caching=True,
     )  # fmt: skip
     try:
-        prefill_s(llm, prompts(1, length, config.vocab_size, seed=length))  # warm-up
+        prefill_s(llm, random_prompts(1, length, config.vocab_size, seed=length))  # warm-up
         weights = weight_bytes(loaded.model)
         for row in rows:
             if "skipped" not in row:
@@ -208,7 +202,7 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
 def measure(llm: LLM, row: dict, weights: int, kv_token: int, args: argparse.Namespace) -> dict:
     config = llm.engine.model_config
     batch, length = row["batch"], row["prompt_tokens"]
-    fresh = prompts(batch, length, config.vocab_size, seed=1000 * batch + length)
+    fresh = random_prompts(batch, length, config.vocab_size, seed=1000 * batch + length)
     seconds = prefill_s(llm, fresh)
     floor_s = prefill_floor_s(config, batch, length)
     decode = decode_run(llm, fresh, args.decode_tokens, llm.engine.max_model_len - length)
@@ -233,58 +227,6 @@ def describe(row: dict) -> str:
         f"{row['decode_tok_s']:>7,.0f} tok/s (floor {row['decode_floor_tok_s']:>8,.0f}, "
         f"{100 * row['decode_fraction']:5.1f}%)"
     )
-
-
-def shared_prefix(loaded: LoadedModel, caching: bool, args: argparse.Namespace) -> dict:
-    """TTFT of `clients` closed-loop clients over one shared document (see the module doc)."""
-    clients, rounds, answer = args.clients, args.rounds, args.answer_tokens
-    length = args.prefix + args.question
-    llm = LLM(
-        loaded, max_model_len=length + answer + BLOCK_SIZE, max_num_seqs=clients,
-        num_kv_blocks=pool_blocks(clients, length, answer) + 2 * (args.prefix // BLOCK_SIZE),
-        max_num_batched_tokens=args.batched_tokens, prefix_caching=caching,
-        enforce_eager=args.eager,
-    )  # fmt: skip
-    try:
-        vocab = loaded.config.vocab_size
-        closed_loop(llm, prompts(1, args.prefix, vocab, seed=1)[0], 1, args)  # warm-up
-        ttfts = closed_loop(llm, prompts(1, args.prefix, vocab, seed=2)[0], rounds, args)
-        stats = llm.engine.stats()["prefix_cache"] or {}
-    finally:
-        llm.shutdown()
-    return dict(
-        prefix_caching=caching, clients=clients, rounds=rounds, prefix_tokens=args.prefix,
-        question_tokens=args.question, answer_tokens=answer, requests=len(ttfts),
-        ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99),
-        ttft_mean_ms=sum(ttfts) / len(ttfts), prefix_cache=stats,
-    )  # fmt: skip
-
-
-def closed_loop(llm: LLM, document: list[int], rounds: int, args: argparse.Namespace) -> list:
-    """Each client asks its next question as soon as its last is answered; TTFT per request
-    in ms (submission to the step that returns its first token)."""
-    engine, vocab = llm.engine, llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.answer_tokens, ignore_eos=True)
-    questions = prompts(args.clients * rounds, args.question, vocab, seed=len(document) + rounds)
-    submitted: dict[str, float] = {}
-    ttfts: list[float] = []
-
-    def ask(client: int, turn: int) -> None:
-        request_id = f"c{client}-t{turn}-{time.monotonic_ns()}"
-        engine.add_request(request_id, document + questions[client * rounds + turn], params)
-        submitted[request_id] = time.perf_counter()
-
-    for client in range(args.clients):
-        ask(client, 0)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id in submitted and out.new_token_ids:
-                ttfts.append(1e3 * (time.perf_counter() - submitted.pop(out.request_id)))
-            if out.finished:
-                client, turn = (int(part[1:]) for part in out.request_id.split("-")[:2])
-                if turn + 1 < rounds:
-                    ask(client, turn + 1)
-    return ttfts
 
 
 def plot(rows: list[dict]) -> Path | None:
@@ -368,7 +310,9 @@ def main(argv: list[str] | None = None) -> Path:
         for length in args.prompt_lengths:
             rows += length_rows(loaded, length, args)
         if shape == args.shared_shape and not args.no_shared:
-            shared = [shared_prefix(loaded, caching, args) for caching in (True, False)]
+            spec = SharedLoad(args.clients, args.rounds, args.prefix, args.question,
+                              args.answer_tokens, args.batched_tokens, args.eager)  # fmt: skip
+            shared = [shared_prefix(loaded, spec, caching) for caching in (True, False)]
         del loaded
         gc.collect()
     peaks = dict(hbm_bytes_per_s=HBM_BYTES_PER_S, dense_bf16_flops=DENSE_BF16_FLOPS)
