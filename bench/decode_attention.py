@@ -2,10 +2,11 @@
 
 Device time of `triton_decode.decode_attention` (one layer) captured as a raw CUDA graph, for
 the Qwen3-0.6B / Llama-3.1-8B attention shape (16 or 32 query heads over 8 KV heads, head_dim
-128, bf16), every row `--context` tokens long in 16-token blocks; the effective bandwidth is
-the K/V bytes read over that time, against the H200's 4.25 TB/s. The rules: the engine's
-(graphguard/kernels/decode_plan.py SPLIT_RULE) and variations of one knob each, so that a GPU
-run says which way to move it.
+128, bf16), every row `--contexts` tokens long in 16-token blocks, its table as wide as the
+engine pads it (engine/shapes.py `width_bucket`: 8k tokens in 16k slots); the effective
+bandwidth is the K/V bytes read over that time, against the H200's 4.25 TB/s. The rules: the
+engine's (graphguard/kernels/decode_plan.py SPLIT_RULE) and variations of one knob each, so
+that a GPU run says which way to move it.
 
     python bench/decode_attention.py [--contexts 8192,32768] [--batches 1,16] [--q-heads 16]
 """
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import graph_replay_ms, write_json  # noqa: E402
+from graphguard.engine.shapes import width_bucket  # noqa: E402
 from graphguard.kernels import triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule  # noqa: E402
 
@@ -30,8 +32,9 @@ KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 RULES = {
     "engine": SPLIT_RULE,
     "width-only (before)": SplitRule(target_programs=1 << 30, min_split_tokens=256, max_splits=64),
-    "target 512": dataclasses.replace(SPLIT_RULE, target_programs=512),
-    "target 2048": dataclasses.replace(SPLIT_RULE, target_programs=2048),
+    "target 1024": dataclasses.replace(SPLIT_RULE, target_programs=1024),
+    "target 4096": dataclasses.replace(SPLIT_RULE, target_programs=4096),
+    "min split 64": dataclasses.replace(SPLIT_RULE, min_split_tokens=64),
     "min split 256": dataclasses.replace(SPLIT_RULE, min_split_tokens=256),
     "tiles of 32": dataclasses.replace(SPLIT_RULE, block_n=32),
     "tiles of 128, 8 warps": dataclasses.replace(SPLIT_RULE, block_n=128, num_warps=8),
@@ -41,8 +44,9 @@ RULES = {
 
 
 def inputs(batch: int, context: int, q_heads: int) -> tuple:
-    """q, the K/V cache, shuffled block tables and lengths of `batch` rows of `context`."""
-    width = context // BLOCK_SIZE
+    """q, the K/V cache, shuffled block tables (as wide as the engine pads them) and lengths
+    of `batch` rows of `context` tokens."""
+    width = width_bucket(-(-(context + 1) // BLOCK_SIZE))
     shape = (batch * width + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     cache = tuple(torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     order = torch.randperm(batch * width, device="cuda") + 1
@@ -57,7 +61,7 @@ def measure(batch: int, context: int, q_heads: int) -> list[dict]:
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     rows = []
     for name, rule in RULES.items():
-        plan = rule.plan(context, batch, KV_HEADS)
+        plan = rule.plan(tables.shape[1] * BLOCK_SIZE, batch, KV_HEADS)
 
         def step(rule: SplitRule = rule) -> torch.Tensor:
             return triton_decode.decode_attention(q, cache, tables, lens, 0.088, rule=rule)

@@ -122,7 +122,7 @@ def test_a_rows_decode_attention_is_the_same_unpadded_and_in_its_buckets_batch(f
 
 
 def test_long_contexts_reuse_the_decode_kernels_compiled_at_a_short_one(fused):
-    # NOTE: the split plan's integers are not specialized on, so a 32k context (128 splits)
+    # NOTE: the split plan's integers are not specialized on, so a 30k context (256 splits)
     # finds the kernels a 512-slot warm-up (4 splits) compiled, rather than compiling mid-serving
     from triton.runtime.jit import JITFunction
 

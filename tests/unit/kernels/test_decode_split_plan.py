@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from graphguard.core.keys import Buckets  # noqa: E402
 from graphguard.engine.config import GraphConfig  # noqa: E402
-from graphguard.engine.shapes import DECODE_PAD  # noqa: E402
+from graphguard.engine.shapes import DECODE_PAD, width_bucket  # noqa: E402
 from graphguard.kernels import triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
 from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
@@ -58,20 +58,35 @@ def test_short_contexts_are_one_split_whatever_the_batch(rows):
         assert plan_splits(ctx, rows, 8).num_splits == 1
 
 
-@pytest.mark.parametrize("ctx", [8192, 32768])
-def test_a_batch_of_one_at_a_long_context_fills_the_device(ctx):
-    plan = plan_splits(ctx, 1, 8)  # the 8 KV heads of Qwen3-0.6B and Llama-3.1-8B
-    assert programs(plan, 1, 8) >= SPLIT_RULE.target_programs // 2
-    assert plan.num_splits > plan_splits(ctx, 16, 8).num_splits
+def table_slots(context: int) -> int:
+    """The slots of the block table a row of `context` tokens decodes over (its width
+    rounded up to a power of two of blocks, as the engine pads it)."""
+    return width_bucket(-(-(context + 1) // BLOCK_SIZE)) * BLOCK_SIZE
+
+
+def working(plan: SplitPlan, rows: int, kv_heads: int, context: int) -> int:
+    """Programs whose split holds tokens of rows `context` tokens long."""
+    return rows * kv_heads * min(plan.num_splits, -(-context // plan.split_tokens))
+
+
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_one_row_of_a_long_context_keeps_hundreds_of_programs_working(context):
+    plan = plan_splits(table_slots(context), 1, 8)  # the 8 KV heads of Qwen3-0.6B and Llama 8B
+    assert working(plan, 1, 8, context) >= SPLIT_RULE.target_programs // 4
+    assert plan.num_splits > plan_splits(table_slots(context), 16, 8).num_splits
+
+
+@pytest.mark.parametrize("context", [8192, 32768])
+def test_sixteen_rows_of_a_long_context_take_few_long_splits(context):
+    plan = plan_splits(table_slots(context), 16, 8)
+    assert working(plan, 16, 8, context) >= SPLIT_RULE.target_programs // 4
+    assert plan.split_tokens >= 8 * SPLIT_RULE.min_split_tokens
 
 
 def test_more_rows_take_fewer_and_longer_splits_down_to_one():
-    plans = [plan_splits(8192, rows, 8) for rows in (1, 2, 4, 8, 16, 32, 64, 128)]
+    plans = [plan_splits(table_slots(8192), rows, 8) for rows in (1 << i for i in range(10))]
     splits = [plan.num_splits for plan in plans]
     assert splits == sorted(splits, reverse=True) and splits[-1] == 1
-    sixteen = plan_splits(8192, 16, 8)  # 16 streams at 8k: the rows fill the device already
-    assert programs(sixteen, 16, 8) >= SPLIT_RULE.target_programs // 2
-    assert sixteen.split_tokens >= 8 * SPLIT_RULE.min_split_tokens
 
 
 def test_the_plan_depends_on_the_rows_only_through_their_power_of_two():
