@@ -12,9 +12,9 @@ tile's ``BLOCK_M`` matrix rows are ``BLOCK_M // GROUP`` tokens times the group's
 (token-major), so each K/V tile is gathered through the block table once for the whole group
 rather than once per query head, and the matrix unit gets full rows even when a group is small
 or a chunk is a single token. It walks the keys in ``BLOCK_N`` tiles with an online softmax:
-first the tiles every query of the tile sees whole (no mask), then the few across the diagonal
-(masked); tiles past the tile's last query are never read, so causal attention costs about
-half of dense.
+the few across the diagonal (masked), then those every query of the tile sees whole (no
+mask); tiles past the tile's last query are never read, so causal attention costs about half
+of dense.
 
 Programs are numbered over all sequences' query tiles together (``T // BLOCK_Q + S`` of them,
 a few past a sequence's end exit at once), each finds its sequence by a binary search of
@@ -123,7 +123,9 @@ def _attend_tile(
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    # NOTE: the rescaled acc is the product's accumulator (not added after it), so on Hopper
+    # the matrix unit accumulates in place and its instructions are not serialized.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, total * alpha + tl.sum(p, axis=1), acc
 
 
@@ -185,22 +187,33 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # NOTE: the diagonal's tiles first, then the whole ones: in the other order ptxas
+    # serialized the Hopper matrix instructions of the whole kernel (warning C7515) where the
+    # accumulator passes from one loop to the next.
     if DYNAMIC_LOOP:  # the device: loops the compiler can pipeline
-        for first in range(0, full_end, BLOCK_N):
-            m, total, acc = _attend_tile(
-                q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head,
-                qk_scale, m, total, acc,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION,
-            )  # fmt: skip
         for first in range(full_end, key_end, BLOCK_N):
             m, total, acc = _attend_tile(
                 q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head,
                 qk_scale, m, total, acc,
                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
             )  # fmt: skip
+        for first in range(0, full_end, BLOCK_N):
+            m, total, acc = _attend_tile(
+                q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head,
+                qk_scale, m, total, acc,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION,
+            )  # fmt: skip
     else:
-        # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: a fixed
-        # trip count (the table's key tiles), each tile run as the device runs it or skipped.
+        # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: fixed
+        # trip counts (the table's key tiles), the same tiles in the same order, the rest skipped.
+        for index in range(KEY_TILES):
+            first = index * BLOCK_N
+            if (first >= full_end) & (first < key_end):
+                m, total, acc = _attend_tile(
+                    q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr,
+                    kv_head, qk_scale, m, total, acc,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
+                )  # fmt: skip
         for index in range(KEY_TILES):
             first = index * BLOCK_N
             if first < full_end:
@@ -209,13 +222,7 @@ def _prefill_kernel(
                     kv_head, qk_scale, m, total, acc,
                     NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION,
                 )  # fmt: skip
-            if (first >= full_end) & (first < key_end):
-                m, total, acc = _attend_tile(
-                    q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr,
-                    kv_head, qk_scale, m, total, acc,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
-                )  # fmt: skip
-    # Key 0 is in every row's first tile, so total > 0 for every row, padding rows too.
+    # Every row, padding rows too, sees key full_end (in the first tile): total > 0.
     out = acc / total[:, None]
     out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM) + (
         head[:, None] * HEAD_DIM + dims[None, :]
