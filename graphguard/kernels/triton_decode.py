@@ -89,6 +89,7 @@ def _partial_kernel(
     BLOCK_H: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    ROW_STRIDE: tl.constexpr,  # one cache slot's elements: NUM_KV_HEADS * HEAD_DIM
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_TILES: tl.constexpr,  # the interpreter's trip count (split_tokens / BLOCK_N)
@@ -111,18 +112,17 @@ def _partial_kernel(
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     # Loop invariants of the tile walk: this head's K/V, each lane's table entry and offset.
-    row_stride: tl.constexpr = NUM_KV_HEADS * HEAD_DIM  # one cache slot's elements
     k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
     v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
     table_ptr = tables_ptr + seq * stride_table
     tile_lanes = tl.arange(0, BLOCK_N)
     lane_block = tile_lanes // BLOCK_SIZE
-    lane_offsets = (tile_lanes % BLOCK_SIZE)[:, None] * row_stride + dims[None, :]
+    lane_offsets = (tile_lanes % BLOCK_SIZE)[:, None] * ROW_STRIDE + dims[None, :]
     if DYNAMIC_LOOP:  # the device: a loop the compiler can pipeline
         for first in range(start, end, BLOCK_N):
             m, total, acc = _attend_tile(
                 q, first, end, table_ptr, k_head_ptr, v_head_ptr, lane_block, lane_offsets,
-                scale, m, total, acc, row_stride, BLOCK_SIZE, BLOCK_N, PRECISION,
+                scale, m, total, acc, ROW_STRIDE, BLOCK_SIZE, BLOCK_N, PRECISION,
             )  # fmt: skip
     else:
         # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: a fixed
@@ -132,7 +132,7 @@ def _partial_kernel(
             if first < end:
                 m, total, acc = _attend_tile(
                     q, first, end, table_ptr, k_head_ptr, v_head_ptr, lane_block, lane_offsets,
-                    scale, m, total, acc, row_stride, BLOCK_SIZE, BLOCK_N, PRECISION,
+                    scale, m, total, acc, ROW_STRIDE, BLOCK_SIZE, BLOCK_N, PRECISION,
                 )  # fmt: skip
     # A split past the sequence's end (or a padding row of length 0) has total 0.
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
@@ -250,7 +250,8 @@ def decode_attention(
         scale, block_tables.stride(0), plan.num_splits, plan.split_tokens,
         GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROW_STRIDE=num_kv_heads * head_dim,
+        BLOCK_SIZE=block_size,
         BLOCK_N=plan.block_n,
         # NOTE: on the device the split's length is a runtime value: one compile serves every
         # width (only the interpreter needs its trip count as a constant).
