@@ -193,10 +193,15 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
     finally:
         llm.shutdown()
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
     return rows
+
+
+def release_memory() -> None:
+    """Give back what a finished engine or model held before the next one sizes its pool."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def measure(llm: LLM, row: dict, weights: int, kv_token: int, args: argparse.Namespace) -> dict:
@@ -314,7 +319,7 @@ def main(argv: list[str] | None = None) -> Path:
                               args.answer_tokens, args.batched_tokens, args.eager)  # fmt: skip
             shared = [shared_prefix(loaded, spec, caching) for caching in (True, False)]
         del loaded
-        gc.collect()
+        release_memory()
     peaks = dict(hbm_bytes_per_s=HBM_BYTES_PER_S, dense_bf16_flops=DENSE_BF16_FLOPS)
     payload = dict(peaks=peaks, vocab=VOCAB, tiny=args.tiny, rows=rows, shared_prefix=shared)
     path = write_json("long_context.json", payload)
