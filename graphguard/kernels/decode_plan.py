@@ -34,14 +34,15 @@ class SplitRule:
     contexts split until the launch has about `target_programs` programs (rows x KV heads x
     splits), never into splits shorter than `min_split_tokens` (a split's partial costs a
     write and a read of 4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V
-    bytes) nor more than `max_splits`. The target is twice the programs meant to do work: the
-    width is the longest row's context rounded up to a power of two of blocks
-    (engine/shapes.py `width_bucket`), so the rows fill between half of it and all of it, and
-    the splits past a row's end return at once; 1,024 working programs are several waves of a
-    132-SM device, so a short last wave wastes little.
+    bytes) nor more than `max_splits`. The width is the longest row's context rounded up to a
+    power of two of blocks (engine/shapes.py `width_bucket`), so the rows fill between half of
+    it and all of it and the splits past a row's end return at once: 1,024 programs are 512 to
+    1,024 working ones, a few waves of a 132-SM device. Measured on an H200 (bench/
+    decode_attention.py, docs/benchmarks.md), 1,024 beat 2,048 and 4,096 at one row of 8k and
+    32k and tied them at 16 rows.
     """
 
-    target_programs: int = 2048
+    target_programs: int = 1024
     min_split_tokens: int = 128
     max_splits: int = 256
     direct_tokens: int = 256
@@ -59,9 +60,9 @@ class SplitRule:
         table of `ctx_tokens` slots: as many splits as bring it to `target_programs`, counting
         the rows as the power of two at or above `num_rows`, within the bounds above; each
         split a whole number of tiles. With 8 KV heads, one row of an 8k context (a 16k-slot
-        width) gets 128 splits of 128 tokens and one of 32k (64k slots) 256 of 256; 16 rows of
-        8k get 16 splits of 1,024 tokens, 16 of 32k 16 of 4,096: few, long splits once the
-        rows fill the device themselves.
+        width) gets 128 splits of 128 tokens and one of 32k (64k slots) 128 of 512; 16 rows of
+        8k get 8 splits of 2,048 tokens, 16 of 32k 8 of 8,192: few, long splits once the rows
+        fill the device themselves.
 
         NOTE: a function of (width, rows rounded up to a power of two, KV heads): not of the
         device, nor of the rows' lengths, so a graph key's replay equals its eager call (both
