@@ -21,7 +21,7 @@ stale one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +53,10 @@ class GraphedCausalLM:
             layer's attention eager between them: graphguard/hf_segments.py) or "auto" (whole
             steps, and segments for a key whose whole step is refused for a reason segments
             avoid); segments are in `self.segments` (None for "whole").
+        batch_buckets: batch sizes a prompt's rows are padded up to (repeats of its last row,
+            dropped from the output), so fewer graphs serve more batch sizes; none by default.
+            Each batch size gets a cache of its own (`self.caches`). Padded greedy rows are the
+            model's; sampled rows with a `generator` draw as a batch of the bucket's size.
     """
 
     def __init__(
@@ -68,21 +72,29 @@ class GraphedCausalLM:
         metrics: GraphMetrics | None = None,
         kernels: str = "model",
         mode: str = "whole",
+        batch_buckets: Sequence[int] = (),
     ):
         from transformers import StaticCache
 
-        capture = capture or CaptureConfig()
         self.model = model
         self.fusion = _fusion(model, kernels)
-        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
         self.max_cache_len = max_cache_len
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        if any(rows < 1 for rows in self.batch_buckets):
+            raise ValueError(f"batch buckets must be positive, got {self.batch_buckets}")
+        # One StaticCache per batch size (a cache's rows are fixed at its first write); the
+        # current call's is `self.cache`.
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        self.caches: dict[int, Any] = {}
+        capture = capture or CaptureConfig()
+        # NOTE: every graph keeps the weights and the caches it reads alive
+        capture = replace(capture, retain=(*capture.retain, model, self.caches))
         self.runner = GraphRunner(
             self._decode,
             max_bytes=max_bytes,
             verify=verify,
             admission=admission,
-            # NOTE: every graph keeps the weights and the cache it reads alive
-            capture=replace(capture, retain=(*capture.retain, model, self.cache)),
+            capture=capture,
             backend=backend,
             metrics=metrics,
             name="hf_decode",
@@ -90,7 +102,7 @@ class GraphedCausalLM:
         self.segments: DecoderSegments | None = None
         if DecodeMode(mode) is not DecodeMode.WHOLE:
             self.segments = DecoderSegments(
-                model, self.cache, DecodeMode(mode), self.runner, max_bytes=max_bytes,
+                model, lambda: self.cache, DecodeMode(mode), self.runner, max_bytes=max_bytes,
                 verify=verify, admission=admission, capture=capture, backend=backend,
                 metrics=metrics,
             )  # fmt: skip
@@ -139,6 +151,8 @@ class GraphedCausalLM:
                 f"{length} prompt tokens + {max_new_tokens} new exceed max_cache_len "
                 f"{self.max_cache_len}"
             )
+        input_ids = self._padded(input_ids)
+        self.cache = self._cache_of(input_ids.shape[0])
         self.cache.reset()
         device = input_ids.device
         positions = torch.arange(length, device=device)
@@ -154,7 +168,28 @@ class GraphedCausalLM:
                 break
             position = torch.tensor([length + step], device=device)
             logits = decode(pick[:, None], position, adapters)
-        return torch.cat(tokens, dim=1)
+        return torch.cat(tokens, dim=1)[:batch]
+
+    def _padded(self, input_ids: Tensor) -> Tensor:
+        """The prompt rows padded up to the smallest batch bucket that holds them (repeats of
+        the last row, dropped from the output), or as they are past the largest bucket."""
+        batch = input_ids.shape[0]
+        rows = next((b for b in self.batch_buckets if b >= batch), batch)
+        if rows == batch:
+            return input_ids
+        return torch.cat([input_ids, input_ids[-1:].expand(rows - batch, -1)])
+
+    def _cache_of(self, rows: int) -> Any:
+        """The StaticCache of `rows` rows: the first batch size takes the cache made at
+        construction, each new one a new cache (its graphs read that cache's tensors)."""
+        from transformers import StaticCache
+
+        if rows not in self.caches:
+            spare = self.cache if not self.caches else None
+            self.caches[rows] = spare or StaticCache(
+                config=self.model.config, max_cache_len=self.max_cache_len
+            )
+        return self.caches[rows]
 
     def close(self) -> None:
         self.runner.close()

@@ -27,7 +27,7 @@ Python path, as they choose the whole step's).
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -70,6 +70,7 @@ class StepContext:
     position_ids: Tensor  # [1, 1] on the device
     position: Tensor  # [] on the device: the slot every layer's cache writes this step
     adapters: Hashable
+    cache: Any  # the StaticCache of the call's rows (one per batch size: GraphedCausalLM)
 
 
 class AdapterGroups(SegmentGroups):
@@ -119,7 +120,7 @@ def check_segmentable(base: Any, cache: Any) -> None:
             raise ValueError("segmented decode steps need a StaticCache of full-attention layers")
 
 
-def decoder_stages(base: Any, cache: Any) -> list[Stage]:
+def decoder_stages(base: Any) -> list[Stage]:
     """The decode step after its embedding, as a pipeline (see module docstring).
 
     NOTE: each stage looks its modules up on the model when it runs, so a module swapped in
@@ -129,7 +130,7 @@ def decoder_stages(base: Any, cache: Any) -> list[Stage]:
     for index, layer in enumerate(decoder.layers[: decoder.config.num_hidden_layers]):
         stages += [
             Stage(f"norm{index}", partial(_norm, layer)),
-            Stage(f"attn{index}", partial(_attend, layer, cache, index), eager=True),
+            Stage(f"attn{index}", partial(_attend, layer, index), eager=True),
             Stage(f"mlp{index}", partial(_mlp, layer)),
         ]
     stages.append(Stage("head", partial(_head, base)))
@@ -147,7 +148,6 @@ def _norm(layer: Any, residual: Tensor, cos: Tensor, sin: Tensor) -> Carry:
 
 def _attend(
     layer: Any,
-    cache: Any,
     index: int,
     context: StepContext,
     residual: Tensor,
@@ -157,6 +157,7 @@ def _attend(
 ) -> Carry:
     """One layer's attention, called as its decoder layer calls it; idempotent: its cache
     layer's counter is set to the step's position first (module docstring)."""
+    cache = context.cache
     cache.layers[index].cumulative_length.copy_(context.position)
     attended, _ = layer.self_attn(
         hidden_states=normed,
@@ -184,17 +185,18 @@ class DecoderSegments:
 
     Args:
         model: the transformers causal LM (a PEFT model too), as GraphedCausalLM takes it.
-        cache: its StaticCache, prefilled before the first step.
+        cache_of: the StaticCache of the current call's rows, prefilled before its first step
+            (called at each step: GraphedCausalLM keeps one cache per batch size).
         mode: SEGMENTED or AUTO.
         whole: the whole step's GraphRunner, called as `whole(ids, position, adapters)` (AUTO).
         max_bytes, verify, admission, capture, backend, metrics: the SegmentedRunner's; its
-            graphs keep the model and the cache alive.
+            graphs keep the model and `capture.retain` (GraphedCausalLM's caches) alive.
     """
 
     def __init__(
         self,
         model: Any,
-        cache: Any,
+        cache_of: Callable[[], Any],
         mode: DecodeMode,
         whole: GraphRunner,
         *,
@@ -208,17 +210,17 @@ class DecoderSegments:
         if mode is DecodeMode.WHOLE:
             raise ValueError("DecoderSegments runs the segmented and auto modes")
         self.base = base_model(model)
-        check_segmentable(self.base, cache)
-        self.cache = cache
+        check_segmentable(self.base, cache_of())
+        self.cache_of = cache_of
         self.mode = mode
         self.whole = whole
         self.runner = AdapterSegmentedRunner(
-            decoder_stages(self.base, cache),
+            decoder_stages(self.base),
             max_bytes=max_bytes,
             verify=verify,
             admission=admission,
-            # NOTE: every group keeps the weights and the cache its holes write alive
-            capture=replace(capture, retain=(*capture.retain, model, cache)),
+            # NOTE: every group keeps the weights alive (and the caches, in capture.retain)
+            capture=replace(capture, retain=(*capture.retain, model)),
             backend=backend,
             metrics=metrics,
             name="hf_segments",
@@ -245,14 +247,15 @@ class DecoderSegments:
         decoder = self.base.model
         hidden = decoder.embed_tokens(ids)
         position_ids = position.view(1, 1)
+        cache = self.cache_of()
         mask = create_causal_mask(
             config=decoder.config,
             inputs_embeds=hidden,
             attention_mask=None,
-            past_key_values=self.cache,
+            past_key_values=cache,
             position_ids=position_ids,
         )
-        context = StepContext(mask, position_ids, position.view(()), adapters)
+        context = StepContext(mask, position_ids, position.view(()), adapters, cache)
         (logits,) = self.runner((hidden, position_ids), context)
         return logits
 

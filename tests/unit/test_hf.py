@@ -191,3 +191,28 @@ def test_sampled_tokens_equal_generates_under_the_same_seed(sampling):
         graphed.generate(ids, max_new_tokens=16, do_sample=True, **sampling), expected
     )
     assert graphed.runner.stats()["replays"] == 15
+
+
+def test_one_graphed_model_serves_several_batch_sizes_each_over_its_own_cache():
+    model = tiny("llama")
+    expected = {rows: generate(model, prompt(rows), new=6) for rows in (1, 4)}
+    graphed = GraphedCausalLM(model, max_cache_len=32, backend="sim", admission=EAGER_FIRST)
+    for rows in (1, 4, 1):
+        assert torch.equal(graphed.generate(prompt(rows), max_new_tokens=6), expected[rows])
+    assert sorted(graphed.caches) == [1, 4]
+    stats = graphed.runner.stats()
+    assert (stats["captures"], stats["replays"], stats["fallbacks"]) == (2, 15, {})
+
+
+def test_batch_buckets_pad_rows_so_one_graph_serves_several_batch_sizes():
+    model = tiny("qwen3")
+    graphed = GraphedCausalLM(model, max_cache_len=32, backend="sim", admission=EAGER_FIRST,
+                              batch_buckets=(4,))  # fmt: skip
+    for rows in (3, 4, 2):
+        ids = prompt(rows)
+        padded = torch.cat([ids, ids[-1:].expand(4 - rows, -1)])
+        expected = generate(model, padded, new=6)[:rows]
+        assert torch.equal(graphed.generate(ids, max_new_tokens=6), expected)
+    assert list(graphed.caches) == [4]
+    stats = graphed.runner.stats()
+    assert (stats["captures"], stats["replays"]) == (1, 15)

@@ -142,3 +142,13 @@ def test_segmented_mode_refuses_a_sliding_window_cache():
     with pytest.raises(ValueError, match="full-attention"):
         segmented(model)
     GraphedCausalLM(model, max_cache_len=64, backend="sim")  # whole steps still take it
+
+
+def test_segments_serve_several_batch_sizes_each_over_its_own_cache():
+    model = tiny("qwen3")
+    expected = {rows: generate(model, prompt(rows), new=6) for rows in (1, 3)}
+    graphed = segmented(model)
+    for rows in (1, 3, 1):
+        assert torch.equal(graphed.generate(prompt(rows), max_new_tokens=6), expected[rows])
+    assert sorted(graphed.caches) == [1, 3]
+    assert graphed.segments is not None and graphed.segments.runner.stats()["fallbacks"] == {}
