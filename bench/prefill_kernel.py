@@ -3,12 +3,14 @@ against the plain PyTorch path (`paged_prefill_attention`: per-group SDPA, a con
 context gathered, its mask built, K/V heads repeated), side by side in one run.
 
 Kernel part: one layer's attention of a whole prompt of 512 / 2k / 8k / 32k tokens prefilled in
-chunks (each chunk one step over its cached prefix, as the scheduler splits a long prompt), and
-steps of many fresh prompts packed together; Qwen3-0.6B heads (16 query, 8 K/V, dimension 128)
-by default, bf16, block size 16. Columns: milliseconds for the whole prompt (the sum of its
-chunks, each the median of its timed calls), TFLOP/s (causal: each query's visible keys only)
-and the kernel's speedup. Block-size configurations of the kernel can be compared with
-`--configs 128x64x8x3,64x64x4x3` (rows x keys x warps x stages).
+chunks (each chunk one step over its cached prefix, as the scheduler splits a long prompt),
+steps of many fresh prompts packed together, and short chunks after a long cached prefix (a
+question after a shared document: the kernel's small grid); Qwen3-0.6B heads (16 query, 8
+K/V, dimension 128) by default, bf16, block size 16. Columns: milliseconds for the whole
+prompt (the sum of its chunks, each the median of its timed calls), TFLOP/s (causal: each
+query's visible keys only) and the kernel's speedup. The `triton` row is the launcher's own
+choice of tiles; others can be compared beside it with `--configs 128x64x8x3,16x64x4x3`
+(rows x keys x warps x stages).
 
 Engine part: an LLMEngine on random Qwen3-0.6B weights prefills one prompt of 8k and 30k tokens
 (max_tokens=1) with the reference kernel set and with the Triton one, at each step token budget
@@ -16,7 +18,8 @@ of `--engine-chunks` (the chunk size of a long prompt); prefill tokens per secon
 three runs after two untimed ones.
 
     python bench/prefill_kernel.py [--contexts 512,2048,8192,32768] [--chunk 4096]
-        [--batches 16x512,64x128] [--engine-prompts 8192,30000] [--engine-chunks 4096,8192,16384]
+        [--batches 16x512,64x128] [--tails 64x30720,1024x30720]
+        [--engine-prompts 8192,30000] [--engine-chunks 4096,8192,16384]
 """
 
 from __future__ import annotations
@@ -151,6 +154,8 @@ def kernel_rows(args: argparse.Namespace, heads: tuple[int, int, int]) -> list[d
         cases.append((f"{context} in {args.chunk}", [[chunk] for chunk in chunks]))
     for num_seqs, length in args.batches:
         cases.append((f"{num_seqs}x{length}", [[(0, length)] * num_seqs]))
+    for new, cached in args.tails:
+        cases.append((f"{new} after {cached}", [[(cached, new)]]))
     rows = []
     for name, steps in cases:
         longest = max(c + n for step in steps for c, n in step)
@@ -228,6 +233,9 @@ def main() -> int:
     parser.add_argument("--contexts", type=ints, default=[512, 2048, 8192, 32768])
     parser.add_argument("--chunk", type=int, default=4096, help="tokens per prefill chunk")
     parser.add_argument("--batches", default="16x512,64x128", help="NxL fresh prompts per step")
+    parser.add_argument(
+        "--tails", default="64x30720,1024x30720", help="NxC: a chunk of N tokens after C cached"
+    )
     parser.add_argument("--heads", default="16/8/128", help="query/KV heads/head dim")
     parser.add_argument("--configs", type=lambda s: s.split(","), default=[])
     parser.add_argument("--engine-prompts", type=ints, default=[8192, 30000])
@@ -237,6 +245,7 @@ def main() -> int:
         print("prefill_kernel: needs CUDA")
         return 0
     args.batches = [tuple(map(int, b.split("x"))) for b in args.batches.split(",") if b]
+    args.tails = [tuple(map(int, t.split("x"))) for t in args.tails.split(",") if t]
     heads = tuple(map(int, args.heads.split("/")))
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}, heads {args.heads}")
     rows = kernel_rows(args, heads)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from graphguard.kernels import (
     triton_decode,
@@ -20,7 +20,7 @@ from graphguard.kernels import (
     triton_prefill,
     triton_rope,
 )
-from graphguard.kernels.reference import TorchKernels
+from graphguard.kernels.reference import HeadShape, TorchKernels
 
 
 class TritonKernels(TorchKernels):
@@ -31,6 +31,16 @@ class TritonKernels(TorchKernels):
     # rows: each row walks only its own context, one launch per layer.
     row_prefill_area = 512 * 2048
     needs_prefill_groups = False  # one launch attends every sequence of a packed prefill
+
+    def prepare(self, model: nn.Module) -> None:
+        """Compile the prefill attention for the model's heads with both of its tile sets."""
+        param = next(model.parameters())
+        shapes = {getattr(module, "heads", None) for module in model.modules()}
+        for heads in shapes:
+            if isinstance(heads, HeadShape):
+                triton_prefill.compile_tiles(
+                    heads.num_heads, heads.num_kv_heads, heads.head_dim, param.dtype, param.device
+                )
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded

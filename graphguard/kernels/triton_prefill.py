@@ -22,8 +22,9 @@ a few past a sequence's end exit at once), each finds its sequence by a binary s
 
 NOTE: deterministic: each output row is reduced over its keys in one fixed order by one
 program, with no atomics and no split of the keys, and the block sizes are a function of the
-head shape alone (`pick_config`), so a graph replay equals the eager call bit for bit and a
-sequence's output does not depend on the other sequences of its step.
+launch's shapes and the device (`pick_config`), so a graph replay equals the eager call bit for
+bit; a sequence's output does not depend on the other sequences of its step unless they change
+the tile size (only where a step's grid would leave most of the device idle).
 """
 
 from __future__ import annotations
@@ -55,12 +56,46 @@ CONFIGS = {
     128: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     256: PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
 }
+# Where those would leave most of the device idle (a short chunk over a long context: 50 new
+# tokens are one tile per KV head), tiles of 16 rows: up to 8x the programs, each reading the
+# same keys (from L2) for fewer queries.
+SMALL_CONFIGS = {
+    64: PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    128: PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    256: PrefillConfig(block_m=16, block_n=32, num_warps=8, num_stages=2),
+}
 
 
-def pick_config(head_dim: int) -> PrefillConfig:
-    """The block sizes for `head_dim` (a power of two up to 256): those of the smallest
-    listed head dimension that holds it."""
-    return CONFIGS[next(d for d in sorted(CONFIGS) if d >= head_dim)]
+class PrefillShape(NamedTuple):
+    """What a launch's grid depends on."""
+
+    num_tokens: int
+    num_seqs: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+
+    def block_m(self, config: PrefillConfig) -> int:
+        """Matrix rows per program: at least one token's whole group."""
+        return max(config.block_m, triton.next_power_of_2(self.group))
+
+    def num_tiles(self, config: PrefillConfig) -> int:
+        """Query tiles of all sequences (a sequence's last may be empty: it exits at once)."""
+        return self.num_tokens // (self.block_m(config) // self.group) + self.num_seqs
+
+
+def pick_config(shape: PrefillShape, num_sms: int = 0) -> PrefillConfig:
+    """The block sizes for `shape`: CONFIGS for its head dimension (a power of two up to 256),
+    or SMALL_CONFIGS where those would make fewer programs than half of `num_sms` (the
+    device's multiprocessors; 0: never).
+
+    NOTE: a function of the launch's shapes and the device: a call and its graph replay take
+    the same tiles. A sequence's bits depend on its neighbours only where their tokens tip the
+    choice (within tolerance, not bitwise)."""
+    size = next(d for d in sorted(CONFIGS) if d >= shape.head_dim)
+    if 2 * shape.num_tiles(CONFIGS[size]) * shape.num_kv_heads >= num_sms:
+        return CONFIGS[size]
+    return SMALL_CONFIGS[size]
 
 
 @triton.jit
@@ -278,16 +313,16 @@ def prefill_attention(
     out = q.new_empty((num_tokens, num_heads, head_dim))
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = config or pick_config(head_dim)
-    group = num_heads // num_kv_heads
-    block_m = max(config.block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    num_tiles = num_tokens // block_q + num_seqs
+    shape = PrefillShape(num_tokens, num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 0
+    config = config or pick_config(shape, num_sms)
+    group, block_m = shape.group, shape.block_m(config)
+    num_tiles = shape.num_tiles(config)
     search_steps = (num_seqs - 1).bit_length()
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, num_seqs, search_steps, num_tiles, q.stride(0), width,
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=config.block_n,
         # NOTE: on the device the loops' bounds are runtime values: one compile serves every
         # step (only the interpreter needs its trip counts as constants).
@@ -298,3 +333,18 @@ def prefill_attention(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
+
+
+def compile_tiles(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Compile the kernel for a head shape with both tile sets (a launch of each on 16 tokens of
+    a one-block cache), so that no step waits for a compile: which set a step takes depends on
+    its grid, and the engine's warm-up prefill takes only one."""
+    size = next(d for d in sorted(CONFIGS) if d >= head_dim)
+    q = torch.zeros(16, num_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
+    lens = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    for configs in (CONFIGS, SMALL_CONFIGS):
+        prefill_attention(q, (cache[0], cache[1]), lens, lens[1:], table, 1.0, configs[size])

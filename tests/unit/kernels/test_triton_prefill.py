@@ -50,7 +50,7 @@ STEPS = {
     "one_token": ([1, 1, 3], [0, 30, 17]),
     "long_chunk": ([60], [100]),
 }
-# the launch's own block sizes, and tiles of 8 tokens x the group over keys 16 at a time
+# tiles of 8 tokens x the group over keys 16 at a time: short contexts span many of them
 SMALL_TILES = kernel.PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
 
@@ -88,6 +88,15 @@ def test_small_tiles_match_reference(heads, step):
     batch = packed_prefill(heads, *step, torch.float32, "cpu")
     expected = reference_attention(batch, 0.1)
     assert rel_error(run(batch, 0.1, SMALL_TILES), expected) < 2 * TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("heads", [HEADS["gqa2"], HEADS["gqa8"]], ids=["gqa2", "gqa8"])
+def test_the_tiles_for_a_small_grid_match_reference(heads):
+    """SMALL_CONFIGS, for a short chunk over a long context: 16 rows a program."""
+    batch = packed_prefill(heads, [20, 1], [130, 7], torch.float16, "cpu")
+    expected = reference_attention(batch, 0.1)
+    small = kernel.SMALL_CONFIGS[heads.head_dim]
+    assert rel_error(run(batch, 0.1, small), expected) < 2 * TOLERANCE[torch.float16]
 
 
 def test_is_causal_over_the_cached_prefix():
@@ -138,10 +147,18 @@ def test_the_reference_set_runs_the_plain_pytorch_attention():
     assert torch.equal(out, reference_attention(batch, 0.1))
 
 
-def test_configs_cover_the_head_dims_it_takes():
-    assert kernel.pick_config(64) == kernel.CONFIGS[64]
-    assert kernel.pick_config(32) == kernel.CONFIGS[64]
-    assert kernel.pick_config(128) == kernel.CONFIGS[128]
+def test_small_tiles_are_taken_only_where_large_ones_would_idle_most_of_the_device():
+    def shape(num_tokens: int, head_dim: int = 128) -> kernel.PrefillShape:
+        return kernel.PrefillShape(num_tokens, 1, 8, 2, head_dim)  # Qwen3-0.6B's heads
+
+    # 50 tokens are one tile of 64 for each of 8 KV heads: 8 programs for 132 multiprocessors
+    assert kernel.pick_config(shape(50), num_sms=132) == kernel.SMALL_CONFIGS[128]
+    assert kernel.pick_config(shape(4096), num_sms=132) == kernel.CONFIGS[128]
+    assert kernel.pick_config(shape(50), num_sms=0) == kernel.CONFIGS[128]  # not a GPU
+    assert kernel.pick_config(shape(50, head_dim=32)) == kernel.CONFIGS[64]
+
+
+def test_refuses_a_head_dim_that_is_not_a_power_of_two():
     batch = packed_prefill(HeadShape(2, 2, 96), [4], [0], torch.float32, "cpu")
     with pytest.raises(ValueError, match="head_dim"):
         run(batch, 0.1)
@@ -198,6 +215,7 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     for kernels in (TorchKernels(), fused):
         model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
         model.use_kernels(kernels)
+        kernels.prepare(model)  # the Triton set launches its prefill kernel's tile sets here
         kv = PagedKVStorage(
             num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
             num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",

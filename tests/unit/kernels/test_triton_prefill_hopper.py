@@ -1,54 +1,48 @@
 """The prefill attention kernel compiled for Hopper (sm_90) on the CPU: Triton's own compiler and
 its bundled ptxas need no GPU, so CI checks what only the device would otherwise show. For the
-model families' head shapes the kernel compiles, ptxas keeps its matrix instructions
-asynchronous (no warning C7515, which serializes them for the whole kernel) and spills nothing.
+model families' head shapes, with either tile set, the kernel compiles, ptxas keeps its matrix
+instructions asynchronous (no warning C7515, which serializes them for the whole kernel) and
+spills nothing.
+
+NOTE: the compiles run in a fresh interpreter: once Triton's CPU interpreter has run a kernel
+in a process (the other kernel tests), it has patched triton.language there, and compiling
+for a device in that process fails.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-import graphguard.kernels  # noqa: E402
-
-SOURCE = Path(graphguard.kernels.__file__).with_name("triton_prefill.py")
+ROOT = Path(__file__).resolve().parents[3]
 INT_POINTERS = ("tables_ptr", "query_start_ptr", "seq_lens_ptr")
+# (dtype, group, head_dim): Qwen3-0.6B, SmolLM2-135M, Llama-3.1-8B, GQA 8, multi-head
+SHAPES = [("bf16", 2, 128), ("bf16", 3, 64), ("fp16", 4, 128), ("bf16", 8, 128), ("bf16", 1, 64)]
 
 
-@pytest.fixture(scope="module")
-def device_module(tmp_path_factory):
-    """A copy of the kernel's module built for the device, not the interpreter (the other
-    kernel tests may have imported it interpreted)."""
-    mp = pytest.MonkeyPatch()
-    mp.delenv("TRITON_INTERPRET", raising=False)
-    try:
-        spec = importlib.util.spec_from_file_location("triton_prefill_for_device", SOURCE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        mp.undo()
-    if module._INTERPRETED:
-        pytest.skip("Triton builds interpreted kernels in this process")
-    return module
+def ptxas_log(small: bool, dtype: str, group: int, head_dim: int) -> str:
+    """ptxas's verbose report on the kernel as the launcher would compile it for an H200, with
+    the tiles of a small grid or the usual ones. Run in a process without the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
 
+    from graphguard.kernels import triton_prefill as module
 
-def ptxas_log(module, ptx: Path, dtype: str, group: int, head_dim: int, num_kv_heads: int) -> str:
-    """ptxas's verbose report on the kernel as the launcher would compile it for an H200 (its
-    PTX written to `ptx`)."""
-    fn, config = module._prefill_kernel, module.pick_config(head_dim)
+    fn = module._prefill_kernel
+    config = (module.SMALL_CONFIGS if small else module.CONFIGS)[head_dim]
     block_m = max(config.block_m, triton.next_power_of_2(group))
     constants = dict(
-        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, NUM_KV_HEADS=num_kv_heads,
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_m // group, NUM_KV_HEADS=8,
         HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_N=config.block_n, SEARCH_STEPS=1, KEY_TILES=1,
         DYNAMIC_LOOP=True, PRECISION="tf32",
     )  # fmt: skip
@@ -65,20 +59,35 @@ def ptxas_log(module, ptx: Path, dtype: str, group: int, head_dim: int, num_kv_h
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     source = ASTSource(fn, signature, constants, attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx.write_text(kernel.asm["ptx"])
-    command = [get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx) + ".cubin"]
-    return subprocess.run(command, capture_output=True, text=True, check=True).stderr
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = Path(folder) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        command = [get_ptxas(90).path, "-arch=sm_90a", "-v", str(ptx), "-o", f"{ptx}.cubin"]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stderr
 
 
-# (dtype, group, head_dim, KV heads): Qwen3-0.6B, SmolLM2-135M, Llama-3.1-8B, GQA 8, MHA
-SHAPES = [("bf16", 2, 128, 8), ("bf16", 3, 64, 3), ("fp16", 4, 128, 8), ("bf16", 8, 128, 1),
-          ("bf16", 1, 64, 8)]  # fmt: skip
+@pytest.fixture(scope="module")
+def logs() -> dict[str, str]:
+    """ptxas's report for each (tiles, shape), keyed as the tests' ids."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-m", "tests.unit.kernels.test_triton_prefill_hopper"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
 
 
+def key(small: bool, shape: tuple[str, int, int]) -> str:
+    return f"{'small' if small else 'usual'}-{shape[0]}-g{shape[1]}-d{shape[2]}"
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["tiles", "small_tiles"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-g{s[1]}-d{s[2]}")
-def test_compiles_for_hopper_with_async_matrix_instructions_and_no_spills(
-    device_module, shape, tmp_path
-):
-    log = ptxas_log(device_module, tmp_path / "kernel.ptx", *shape)
+def test_compiles_for_hopper_with_async_matrix_instructions_and_no_spills(logs, small, shape):
+    log = logs[key(small, shape)]
     assert "C7515" not in log, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+
+
+if __name__ == "__main__":
+    reports = {key(s, shape): ptxas_log(s, *shape) for s in (False, True) for shape in SHAPES}
+    print(json.dumps(reports))
