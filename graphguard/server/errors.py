@@ -104,7 +104,10 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+    response = error_response(APIError(exc.status_code, str(exc.detail)))
+    # NOTE: the router's headers belong to the answer: a 405 names the allowed methods (Allow)
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:

@@ -46,9 +46,10 @@ async def create_completion(
     """POST /v1/completions: one choice per prompt, in prompt order."""
     traces = [RequestTrace() for _ in range(len(body.prompt) * body.n)]
     ctx.check_model(body.model)
-    if body.max_tokens == 0 and not body.echo:
-        message = "max_tokens must be at least 1 (0 only with echo, to score the prompt)."
-        raise APIError(400, message, param="max_tokens", code="invalid_value")
+    if body.requested_max_tokens == 0 and not body.echo:
+        param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        message = f"{param} must be at least 1 (0 only with echo, to score the prompt)."
+        raise APIError(400, message, param=param, code="invalid_value")
     if len(traces) > p.MAX_CHOICES_PER_REQUEST:
         message = (
             f"{len(body.prompt)} prompts times n={body.n} is {len(traces)} choices; at most "
@@ -118,7 +119,7 @@ async def _check_response_format(body: p.CompletionRequest | p.ChatCompletionReq
 def _completion_params(
     ctx: ServingContext, body: p.CompletionRequest, prompt_ids: list[int]
 ) -> SamplingParams:
-    max_tokens = body.max_tokens
+    max_tokens = body.requested_max_tokens
     if max_tokens is None:
         room = ctx.max_model_len - len(prompt_ids)
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
@@ -154,7 +155,7 @@ async def create_chat_completion(
     """POST /v1/chat/completions."""
     traces = [RequestTrace() for _ in range(body.n)]
     ctx.check_model(body.model)
-    prompt_ids, images = await chat_prompt(ctx, body)  # image parts decoded and marked
+    prompt_ids, images = await chat_prompt(ctx, body.messages)  # images decoded and marked
     max_tokens = body.requested_max_tokens
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
     await _check_response_format(body)
@@ -199,8 +200,10 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),  # vLLM's -1 is off, as 0 is
         seed=body.seed,
         stop=body.stop_sequences,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
@@ -213,10 +216,20 @@ def sampling_params(
     except ValueError as exc:
         param = getattr(exc, "param", None)
         raise APIError(400, str(exc), param=param, code="invalid_value") from exc
-    if any(token_id >= ctx.vocab_size for token_id, _ in params.logit_bias):
-        message = f"logit_bias keys must be token ids in [0, {ctx.vocab_size})."
-        raise APIError(400, message, param="logit_bias", code="invalid_value")
+    _check_vocabulary_ids(ctx, params)
     return params
+
+
+def _check_vocabulary_ids(ctx: ServingContext, params: SamplingParams) -> None:
+    """A 400 naming the field if `logit_bias` or `stop_token_ids` holds an id past the
+    vocabulary (both hold ids >= 0 already)."""
+    for param, token_ids in [
+        ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
+        ("stop_token_ids", list(params.stop_token_ids)),
+    ]:
+        if any(token_id >= ctx.vocab_size for token_id in token_ids):
+            message = f"{param} must hold token ids in [0, {ctx.vocab_size})."
+            raise APIError(400, message, param=param, code="invalid_value")
 
 
 def _context_room(

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from dataclasses import dataclass
 
 from torch import Tensor
 
 from graphguard.engine.models.images import ImageError, expand_image_tokens, load_image
 from graphguard.engine.models.vision import VisionEncoder
+from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
@@ -24,19 +26,30 @@ from graphguard.server.errors import APIError
 _DECODE_ERRORS = (SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
 
 
+@dataclass(frozen=True)
+class ChatRendering:
+    """How a conversation becomes prompt tokens: the chat template's generation prompt (the
+    assistant's turn opened) and the tokenizer's own special tokens around the rendered text
+    (the template places its own)."""
+
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
 async def chat_prompt(
-    ctx: ServingContext, body: p.ChatCompletionRequest
+    ctx: ServingContext, messages: list[p.ChatMessage], rendering: ChatRendering = ChatRendering()
 ) -> tuple[list[int], list[Tensor]]:
     """Prompt token ids of the conversation and the pixel tensors of its images, in order."""
-    urls = [url for message in body.messages for url in message.image_urls]
+    urls = [url for message in messages for url in message.image_urls]
     vision = ctx.engine.vision
     if vision is None:
         if urls:
             message = "This model does not accept images."
             raise APIError(400, message, param="messages", code="invalid_image")
-        return await _template_ids(ctx, body, image_text=""), []
+        return await _template_ids(ctx, messages, rendering, image_text=""), []
     pixels = await asyncio.to_thread(_load_images, urls, vision) if urls else []
-    prompt_ids = await _template_ids(ctx, body, image_text=vision.config.image_token)
+    image_text = vision.config.image_token
+    prompt_ids = await _template_ids(ctx, messages, rendering, image_text)
     if urls:
         try:
             prompt_ids = expand_image_tokens(
@@ -48,10 +61,10 @@ async def chat_prompt(
 
 
 async def _template_ids(
-    ctx: ServingContext, body: p.ChatCompletionRequest, image_text: str
+    ctx: ServingContext, chat: list[p.ChatMessage], rendering: ChatRendering, image_text: str
 ) -> list[int]:
     """The conversation rendered by the chat template, each image part as `image_text`."""
-    messages = [m.as_template_dict(image_text) for m in body.messages]
+    messages = [m.as_template_dict(image_text) for m in chat]
     # NOTE: cheap bounds before the tokenizer runs: every message costs at least one token
     if len(messages) > ctx.max_model_len:
         message = f"{len(messages)} messages cannot fit a context of {ctx.max_model_len} tokens."
@@ -59,9 +72,16 @@ async def _template_ids(
     ctx.check_length([m["content"] for m in messages], "messages")
     try:
         num_chars = sum(len(m["content"]) + 32 for m in messages)  # and each one's markup
-        return await text_work(num_chars, ctx.tokenizer.apply_chat_template, messages)
+        return await text_work(num_chars, _render_ids, ctx.tokenizer, messages, rendering)
     except Exception as exc:  # the template rejects some conversations (e.g. role order)
         raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
+
+
+def _render_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], rendering: ChatRendering
+) -> list[int]:
+    text = tokenizer.render_chat(messages, rendering.add_generation_prompt)
+    return tokenizer.encode(text, rendering.add_special_tokens)
 
 
 def _load_images(urls: list[str], vision: VisionEncoder) -> list[Tensor]:

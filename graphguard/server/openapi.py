@@ -16,6 +16,8 @@ from pydantic import BaseModel
 
 from graphguard.server import responses as r
 from graphguard.server.config import ServerConfig
+from graphguard.server.fields import SERVER_BOUND
+from graphguard.server.protocol import MAX_CHOICES_PER_REQUEST, MAX_SEED, MIN_SEED
 from graphguard.server.security import OPEN_PATHS
 
 ERROR_SCHEMA_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -78,6 +80,7 @@ class ServerAPI(FastAPI):
         components = schema.setdefault("components", {})
         schemas = components.setdefault("schemas", {})
         _drop_validation_schemas(schemas)
+        _fill_server_bounds(schemas, self._server_bounds())
         models: tuple[type[BaseModel], ...] = (r.ErrorResponse, *self._chunks)
         for model in models:
             _add_component(schemas, model)
@@ -95,6 +98,16 @@ class ServerAPI(FastAPI):
         operation["responses"] = dict(sorted(responses.items()))
         if self._config.api_key is not None and path not in OPEN_PATHS:
             operation["security"] = [{"bearer": []}]
+
+    def _server_bounds(self) -> dict[str, dict[str, int]]:
+        """The bounds of each SERVER_BOUND kind on this server."""
+        vocab_size: int = self.state.serving.vocab_size  # set by build_app
+        max_choices = min(MAX_CHOICES_PER_REQUEST, self._config.engine.max_num_seqs)
+        return {
+            "token_id": {"minimum": 0, "maximum": vocab_size - 1},
+            "choices": {"minimum": 1, "maximum": max_choices},
+            "int64": {"minimum": MIN_SEED, "maximum": MAX_SEED},
+        }
 
     def _middleware_statuses(self, path: str) -> list[int]:
         """What the middleware may answer on `path` before its route runs (app.py)."""
@@ -118,6 +131,21 @@ def _add_component(schemas: dict[str, Any], model: type[BaseModel]) -> None:
     for name, nested in schema.pop("$defs", {}).items():
         schemas.setdefault(name, nested)
     schemas.setdefault(model.__name__, schema)
+
+
+def _fill_server_bounds(node: Any, bounds: dict[str, dict[str, int]]) -> None:
+    """Replace each SERVER_BOUND keyword under `node` by the bounds it names, so the document
+    admits what validation admits."""
+    if isinstance(node, list):
+        for item in node:
+            _fill_server_bounds(item, bounds)
+    if not isinstance(node, dict):
+        return
+    kind = node.pop(SERVER_BOUND, None)
+    if kind is not None:
+        node.update(bounds[kind])
+    for value in node.values():
+        _fill_server_bounds(value, bounds)
 
 
 def _drop_validation_schemas(schemas: dict[str, Any]) -> None:

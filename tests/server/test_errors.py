@@ -164,7 +164,7 @@ BAD_REQUESTS = [
     ),
     # Integers and booleans are strict, as in the OpenAI API.
     ("max_tokens_true", COMPLETIONS, _completion(max_tokens=True), 400, "max_tokens"),
-    ("chat_max_tokens_float", CHAT, _chat(max_tokens=2.0), 400, "max_tokens"),
+    ("chat_max_tokens_fraction", CHAT, _chat(max_tokens=2.5), 400, "max_tokens"),
     ("stream_string", CHAT, _chat(stream="yes"), 400, "stream"),
     ("stream_one", COMPLETIONS, _completion(stream=1), 400, "stream"),
     ("echo_string", COMPLETIONS, _completion(echo="true"), 400, "echo"),

@@ -1,0 +1,97 @@
+"""What every request body shares: the base model (unknown fields ignored and logged, no NaN
+or infinities), integer fields that take `2.0` as 2, and the text and "off value" checks."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    StrictInt,
+    model_validator,
+)
+
+logger = logging.getLogger("graphguard.server")
+MAX_UNKNOWN_FIELDS_LOGGED = 8  # names per log line; the rest are counted
+
+
+def whole_number(value: Any) -> Any:
+    """A float with no fraction (`2.0`, as JavaScript clients write integers) as the int it is;
+    any other float is refused; everything else passes unchanged to the strict int check."""
+    if type(value) is float:
+        if not value.is_integer():
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+    return value
+
+
+# What makes an integer field take a JSON integer or a number with no fraction (what JSON
+# Schema's "integer" admits, so the OpenAPI document stays true), never a boolean. It goes last
+# in `Annotated[StrictInt, Field(<bounds>), WHOLE_NUMBER]`: bounds given outside it would not
+# reach the schema as minimum / maximum.
+WHOLE_NUMBER = BeforeValidator(whole_number)
+
+# A schema keyword naming bounds the OpenAPI document (graphguard.server.openapi) fills in:
+# those that depend on the server (its vocabulary, its engine), and the signed 64-bit limits,
+# which FastAPI would write as floats (2**63 - 1 becomes 2**63, a value validation refuses).
+SERVER_BOUND = "x-server-bound"
+TOKEN_ID_BOUND: dict[str, Any] = {SERVER_BOUND: "token_id"}  # at most the vocabulary size - 1
+CHOICES_BOUND: dict[str, Any] = {SERVER_BOUND: "choices"}  # n: at most --max-num-seqs too
+INT64_BOUND: dict[str, Any] = {SERVER_BOUND: "int64"}
+
+TokenId = Annotated[StrictInt, Field(ge=0, json_schema_extra=TOKEN_ID_BOUND), WHOLE_NUMBER]
+
+
+def asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
+    """Whether `value` is None or one of `off_values` (an integer one also as 1.0)."""
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    # NOTE: compare types too: in Python 0 == False and 1 == True (best_of=True is not 1).
+    return value is None or any(type(value) is type(off) and value == off for off in off_values)
+
+
+def valid_unicode(text: str) -> str:
+    """`text`, if it encodes as UTF-8: a lone surrogate (JSON `"\\ud800"`) does not, and would
+    fail later in the tokenizer or while writing a response."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text holds a lone UTF-16 surrogate at index {exc.start}") from None
+    return text
+
+
+def valid_texts(value: str | list[Any] | None) -> None:
+    """Check the strings of `value` (one, or those of a list) with valid_unicode."""
+    for text in [value] if isinstance(value, str) else value or []:
+        if isinstance(text, str):
+            valid_unicode(text)
+
+
+class RequestBody(BaseModel):
+    """A request body or a part of one. Fields it does not declare are ignored, each time with
+    a warning in the server's log, as vLLM does: the client gets its answer, and the operator
+    can see that a (perhaps misspelled) field was dropped."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+        body = handler(data)
+        unknown = sorted(set(data) - set(cls.model_fields)) if isinstance(data, dict) else []
+        if unknown:
+            # NOTE: names are the client's: cut to size, and %r escapes what they hold
+            shown = [str(name)[:64] for name in unknown[:MAX_UNKNOWN_FIELDS_LOGGED]]
+            more = len(unknown) - len(shown)
+            logger.warning(
+                "%s: ignored fields this server does not know: %r%s",
+                cls.__name__,
+                shown,
+                f" and {more} more" if more else "",
+            )
+        return body
