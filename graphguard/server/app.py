@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from graphguard.engine.engine import LLMEngine
 from graphguard.server import protocol as p
 from graphguard.server import responses as r
+from graphguard.server import tokenization as tok
 from graphguard.server.async_engine import AsyncEngine
 from graphguard.server.body_limit import BodyLimitMiddleware
 from graphguard.server.config import ServerConfig
@@ -28,6 +29,7 @@ from graphguard.server.security import APIKeyMiddleware, HostCheckMiddleware
 
 ENDPOINTS = frozenset(
     {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
+    | {"/tokenize", "/detokenize", "/tokenizer_info"}
 )
 MODEL_PATH_PREFIX = "/v1/models/"  # GET /v1/models/{model_id}, one metrics label for all ids
 GENERATION_ERRORS = error_responses(400, 404, 503)  # what the generation routes may answer
@@ -138,6 +140,21 @@ async def chat_completions(
     body: p.ChatCompletionRequest, request: Request, ctx: Serving
 ) -> Response:
     return await create_chat_completion(ctx, request, body)
+
+
+@router.post("/tokenize", responses=error_responses(400, 404))
+async def tokenize(body: tok.TokenizeRequest, ctx: Serving) -> r.TokenizeResponse:
+    return await tok.tokenize(ctx, body)
+
+
+@router.post("/detokenize", responses=error_responses(400, 404))
+async def detokenize(body: tok.DetokenizeRequest, ctx: Serving) -> r.DetokenizeResponse:
+    return await tok.detokenize(ctx, body)
+
+
+@router.get("/tokenizer_info")
+async def get_tokenizer_info(ctx: Serving) -> r.TokenizerInfo:
+    return tok.tokenizer_info(ctx)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # the Prometheus text format

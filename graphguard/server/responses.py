@@ -146,3 +146,38 @@ class GraphsReport(BaseModel):
     reason: str
     kernels: str  # the decoder's kernel set and why it was chosen ("triton (...)")
     prefill: dict[str, Any] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """POST /tokenize, as vLLM answers it."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with `return_token_strs`
+
+
+class DetokenizeResponse(BaseModel):
+    """POST /detokenize, as vLLM answers it."""
+
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info: the tokenizer's configuration, as vLLM answers it (special tokens
+    as text, each with its id; the chat template; the longest context this server takes)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
+    name_or_path: str
+    model_max_length: int
+    chat_template: str | None
+    bos_token: str | None
+    bos_token_id: int | None
+    eos_token: str | None
+    eos_token_id: int | None
+    pad_token: str | None
+    pad_token_id: int | None
+    unk_token: str | None
+    unk_token_id: int | None

@@ -28,6 +28,9 @@ EXPECTED_STATUSES = {
     ("get", "/v1/graphs"): {"200", "403", "408", "413"},
     ("post", "/v1/completions"): {"200", "400", "403", "404", "408", "413", "503"},
     ("post", "/v1/chat/completions"): {"200", "400", "403", "404", "408", "413", "503"},
+    ("post", "/tokenize"): {"200", "400", "403", "404", "408", "413"},
+    ("post", "/detokenize"): {"200", "400", "403", "404", "408", "413"},
+    ("get", "/tokenizer_info"): {"200", "403", "408", "413"},
 }
 GENERATION = {
     "/v1/completions": ("CompletionResponse", "CompletionResponse"),
@@ -95,6 +98,9 @@ def test_the_other_routes_answer_typed_models(document: dict[str, Any]) -> None:
         (("get", "/v1/models"), "ModelList"),
         (("get", "/v1/models/{model_id}"), "ModelCard"),
         (("get", "/v1/graphs"), "GraphsReport"),
+        (("post", "/tokenize"), "TokenizeResponse"),
+        (("post", "/detokenize"), "DetokenizeResponse"),
+        (("get", "/tokenizer_info"), "TokenizerInfo"),
     ]:
         assert _json_schema(operations[key]["responses"]["200"])["$ref"].endswith(f"/{model}")
 

@@ -1,6 +1,8 @@
 """Schemathesis over the server's own OpenAPI document: generated requests, valid ones and
 ones that break the document's request schemas, get no 5xx, and every response conforms to
-the document (its status is listed, its content type and body match the listed schema).
+the document (its status is listed, its content type and body match the listed schema); and
+valid requests to the generation and tokenizer routes are mostly answered, not refused, since
+the document states what validation takes.
 
 Bounded for the suite: a few dozen examples per operation and mode, against a server whose
 context is small, with valid requests capped to a few generated tokens.
@@ -24,12 +26,13 @@ from .conftest import engine_sharing_weights, serve
 from .helpers import MODEL, RunningServer
 
 API_KEY = "sk-fuzz-0123456789"
-# Room for a short prompt and a few generated tokens.
-FUZZ_ENGINE = EngineConfig(max_model_len=64, max_num_seqs=8, num_kv_blocks=32)
+# Room for a short conversation (the chat template adds about 30 tokens) and a few generated
+# tokens.
+FUZZ_ENGINE = EngineConfig(max_model_len=128, max_num_seqs=8, num_kv_blocks=32)
 # What one valid request may generate: choices (`n`) and tokens per choice.
 MAX_GENERATED_TOKENS = 4
 CAPS = {"n": 2, "max_tokens": MAX_GENERATED_TOKENS, "max_completion_tokens": MAX_GENERATED_TOKENS}
-# Per operation and mode: the whole run takes about half a minute. A longer hunt:
+# Per operation and mode: the whole run takes about forty seconds. A longer hunt:
 # GRAPHGUARD_FUZZ_EXAMPLES=500 pytest tests/server/test_openapi_fuzz.py
 MAX_EXAMPLES = int(os.environ.get("GRAPHGUARD_FUZZ_EXAMPLES", "25"))
 OPERATIONS = [
@@ -40,8 +43,16 @@ OPERATIONS = [
     ("GET", "/v1/graphs"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/tokenizer_info"),
 ]
-WITH_INPUT = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]  # negative mode
+WITH_INPUT = [(method, path) for method, path in OPERATIONS if method == "POST"]  # negative mode
+# Operations whose valid requests should mostly be answered, not refused: the document states
+# what validation takes, so only what it cannot state (a prompt too long for the context) is
+# a 400 here.
+ANSWERED = {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+MIN_ANSWERED_SHARE = 0.8
 CHECKS = {
     "not_a_server_error": {},
     "status_code_conformance": {},
@@ -78,6 +89,7 @@ def test_no_request_gets_a_5xx_and_every_response_is_as_documented(
     api_schema: Any, method: str, path: str, mode: GenerationMode
 ) -> None:
     operation = api_schema[path][method]
+    statuses: list[int] = []
 
     @hypothesis.settings(
         max_examples=MAX_EXAMPLES,
@@ -89,9 +101,13 @@ def test_no_request_gets_a_5xx_and_every_response_is_as_documented(
     @hypothesis.given(operation.as_strategy(generation_mode=mode))
     def fuzz(case: Any) -> None:
         _aim_at_the_engine(case, mode)
-        case.call_and_validate(timeout=60)
+        response = case.call_and_validate(timeout=60)
+        statuses.append(response.status_code)
 
     fuzz()
+    if mode is GenerationMode.POSITIVE and path in ANSWERED:
+        # NOTE: hypothesis replays a failing example; a run that gets here recorded each once.
+        assert statuses.count(200) >= MIN_ANSWERED_SHARE * len(statuses), statuses
 
 
 def test_the_fuzz_covers_every_documented_operation(api_schema: Any) -> None:
@@ -116,5 +132,18 @@ def _aim_at_the_engine(case: Any, mode: GenerationMode) -> None:
         if "max_tokens" not in body and "max_completion_tokens" not in body:
             body["max_tokens"] = MAX_GENERATED_TOKENS
         for name, cap in CAPS.items():
-            if type(body.get(name)) is int and body[name] > cap:
+            if type(body.get(name)) in (int, float) and body[name] > cap:
                 body[name] = cap
+        if None not in (body.get("max_tokens"), body.get("max_completion_tokens")):
+            body["max_completion_tokens"] = body["max_tokens"]  # the two names of one limit
+        _drop_images(body)
+
+
+def _drop_images(body: dict[str, Any]) -> None:
+    """Image parts as text parts: a generated data URL is never a decodable image, which the
+    document cannot state."""
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        for index, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                content[index] = {"type": "text", "text": "an image"}

@@ -46,7 +46,8 @@ class Tokenizer:
         self._tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
-        # bos_token / eos_token strings, passed to the chat template as variables.
+        # bos_token / eos_token / pad_token / unk_token strings, passed to the chat template as
+        # variables (as transformers passes them).
         self.special_tokens = dict(special_tokens or {})
         self._template: Any = None
         added = tokenizer.get_added_tokens_decoder()
@@ -65,7 +66,7 @@ class Tokenizer:
         tokenizer = _HFTokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         special: dict[str, str] = {}
-        for key in ("bos_token", "eos_token"):
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
             text = _token_text(config.get(key))
             if text is not None:
                 special[key] = text
