@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from graphguard.kernels import (
     triton_decode,
@@ -20,7 +20,7 @@ from graphguard.kernels import (
     triton_prefill,
     triton_rope,
 )
-from graphguard.kernels.reference import HeadShape, TorchKernels
+from graphguard.kernels.reference import TorchKernels
 
 
 class TritonKernels(TorchKernels):
@@ -32,15 +32,8 @@ class TritonKernels(TorchKernels):
     row_prefill_area = 512 * 2048
     needs_prefill_groups = False  # one launch attends every sequence of a packed prefill
 
-    def prepare(self, model: nn.Module) -> None:
-        """Compile the prefill attention for the model's heads with both of its tile sets."""
-        param = next(model.parameters())
-        shapes = {getattr(module, "heads", None) for module in model.modules()}
-        for heads in shapes:
-            if isinstance(heads, HeadShape):
-                triton_prefill.compile_tiles(
-                    heads.num_heads, heads.num_kv_heads, heads.head_dim, param.dtype, param.device
-                )
+    def __init__(self) -> None:
+        self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
@@ -66,7 +59,11 @@ class TritonKernels(TorchKernels):
         meta: Any,
         scale: float,
     ) -> Tensor:
-        # NOTE: k and v are read where they were written, in the cache: no gather, no mask.
+        # NOTE: the first call (the engine's warm-up prefill) compiles both of the kernel's tile
+        # sets; k and v are read where they were written, in the cache: no gather, no mask.
+        if not self._has_prefill_tiles:
+            triton_prefill.compile_tiles(q.shape[1], kv_cache)
+            self._has_prefill_tiles = True
         return triton_prefill.prefill_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
         )

@@ -116,15 +116,8 @@ def _find_sequence(query_start_ptr, tile, num_seqs, steps, BLOCK_Q: tl.constexpr
 @triton.jit
 def _attend_tile(
     q,
-    q_pos,
+    keys_of,
     first,
-    key_end,
-    table_ptr,
-    width,
-    k_cache_ptr,
-    v_cache_ptr,
-    kv_head,
-    qk_scale,
     m,
     total,
     acc,
@@ -136,7 +129,10 @@ def _attend_tile(
     PRECISION: tl.constexpr,
 ):
     """Keys `first` to `first + BLOCK_N` into the online softmax state (m, total, acc) of the
-    tile's rows; MASKED: only keys before `key_end` and at or before each row's position."""
+    tile's rows; MASKED: only keys before `key_end` and at or before each row's position.
+    `keys_of`: (q_pos, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head, qk_scale),
+    what every tile of a program reads."""
+    q_pos, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head, qk_scale = keys_of
     keys = first + tl.arange(0, BLOCK_N)
     # NOTE: clamped to the table: a padding sequence may be longer than the table is wide
     # (its rows are never read), and no index may run past the table's end.
@@ -162,6 +158,44 @@ def _attend_tile(
     # the matrix unit accumulates in place and its instructions are not serialized.
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return m_new, total * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _attend_range(
+    q,
+    keys_of,
+    start,
+    end,
+    m,
+    total,
+    acc,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEY_TILES: tl.constexpr,  # the interpreter's trip count: the table's key tiles
+    DYNAMIC_LOOP: tl.constexpr,
+    MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The key tiles from `start` (a multiple of BLOCK_N) up to `end`, in order."""
+    if DYNAMIC_LOOP:  # the device: a loop the compiler can pipeline
+        for first in range(start, end, BLOCK_N):
+            m, total, acc = _attend_tile(
+                q, keys_of, first, m, total, acc,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASKED, PRECISION,
+            )  # fmt: skip
+    else:
+        # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: a fixed
+        # trip count, the same tiles in the same order, the rest skipped.
+        for index in range(KEY_TILES):
+            first = index * BLOCK_N
+            if (first >= start) & (first < end):
+                m, total, acc = _attend_tile(
+                    q, keys_of, first, m, total, acc,
+                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, MASKED, PRECISION,
+                )  # fmt: skip
+    return m, total, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs", "search_steps", "num_tiles", "width"])
@@ -225,38 +259,15 @@ def _prefill_kernel(
     # NOTE: the diagonal's tiles first, then the whole ones: in the other order ptxas
     # serialized the Hopper matrix instructions of the whole kernel (warning C7515) where the
     # accumulator passes from one loop to the next.
-    if DYNAMIC_LOOP:  # the device: loops the compiler can pipeline
-        for first in range(full_end, key_end, BLOCK_N):
-            m, total, acc = _attend_tile(
-                q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head,
-                qk_scale, m, total, acc,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
-            )  # fmt: skip
-        for first in range(0, full_end, BLOCK_N):
-            m, total, acc = _attend_tile(
-                q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head,
-                qk_scale, m, total, acc,
-                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION,
-            )  # fmt: skip
-    else:
-        # NOTE: Triton's CPU interpreter cannot take a loop bound from a loaded value: fixed
-        # trip counts (the table's key tiles), the same tiles in the same order, the rest skipped.
-        for index in range(KEY_TILES):
-            first = index * BLOCK_N
-            if (first >= full_end) & (first < key_end):
-                m, total, acc = _attend_tile(
-                    q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr,
-                    kv_head, qk_scale, m, total, acc,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION,
-                )  # fmt: skip
-        for index in range(KEY_TILES):
-            first = index * BLOCK_N
-            if first < full_end:
-                m, total, acc = _attend_tile(
-                    q, q_pos, first, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr,
-                    kv_head, qk_scale, m, total, acc,
-                    NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, PRECISION,
-                )  # fmt: skip
+    keys = (q_pos, key_end, table_ptr, width, k_cache_ptr, v_cache_ptr, kv_head, qk_scale)
+    m, total, acc = _attend_range(
+        q, keys, full_end, key_end, m, total, acc,
+        NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KEY_TILES, DYNAMIC_LOOP, True, PRECISION,
+    )  # fmt: skip
+    m, total, acc = _attend_range(
+        q, keys, 0, full_end, m, total, acc,
+        NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, KEY_TILES, DYNAMIC_LOOP, False, PRECISION,
+    )  # fmt: skip
     # Every row, padding rows too, sees key full_end (in the first tile): total > 0.
     out = acc / total[:, None]
     out_offsets = q_rows[:, None] * (NUM_KV_HEADS * GROUP * HEAD_DIM) + (
@@ -335,16 +346,18 @@ def prefill_attention(
     return out
 
 
-def compile_tiles(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> None:
-    """Compile the kernel for a head shape with both tile sets (a launch of each on 16 tokens of
-    a one-block cache), so that no step waits for a compile: which set a step takes depends on
-    its grid, and the engine's warm-up prefill takes only one."""
+def compile_tiles(num_heads: int, kv_cache: tuple[Tensor, Tensor]) -> None:
+    """Compile the kernel for `num_heads` query heads over `kv_cache` with both tile sets (a
+    launch of each over the cache's first block, read only): which set a step takes depends on
+    its grid, so a warm-up's prefill alone would leave one to compile during serving."""
+    k_cache = kv_cache[0]
+    block_size, _, head_dim = k_cache.shape[1:]
     size = next(d for d in sorted(CONFIGS) if d >= head_dim)
-    q = torch.zeros(16, num_heads, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(2, 1, 16, num_kv_heads, head_dim, dtype=dtype, device=device)
-    lens = torch.tensor([0, 16], dtype=torch.int32, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+
+    def ints(*values: int) -> Tensor:  # fresh tensors: aligned as the engine's are
+        return torch.tensor([values], dtype=torch.int32, device=k_cache.device)
+
+    q = k_cache.new_zeros((block_size, num_heads, head_dim))
     for configs in (CONFIGS, SMALL_CONFIGS):
-        prefill_attention(q, (cache[0], cache[1]), lens, lens[1:], table, 1.0, configs[size])
+        table, starts, lens = ints(0), ints(0, block_size)[0], ints(block_size)[0]
+        prefill_attention(q, kv_cache, starts, lens, table, 1.0, configs[size])

@@ -38,6 +38,8 @@ STEPS = {
     "fresh": ([1000, 37, 2048, 513, 1], [0, 0, 0, 0, 0]),
     "continued": ([1500, 1, 300, 77], [2500, 3000, 0, 16]),
     "long_chunk": ([4096], [4000]),
+    # few tokens after a long prefix: the launcher's tiles for a small grid
+    "short_after_long": ([50, 3], [3000, 1200]),
 }
 
 

@@ -168,6 +168,7 @@ class CountingTritonKernels(TritonKernels):
     """The Triton set, counting the prefill attention calls the model makes through it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.num_prefill_calls = 0
 
     def prefill_attention(self, *args):
@@ -215,7 +216,6 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     for kernels in (TorchKernels(), fused):
         model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
         model.use_kernels(kernels)
-        kernels.prepare(model)  # the Triton set launches its prefill kernel's tile sets here
         kv = PagedKVStorage(
             num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
             num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
