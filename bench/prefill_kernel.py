@@ -183,7 +183,7 @@ def prefill_tok_s(engine: LLMEngine, prompt: list[int], runs: int) -> float:
     for run in range(2 + runs):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.add_request(f"r{run}", prompt, params)
+        engine.add_request(f"r{len(prompt)}-{run}", prompt, params)
         while engine.has_unfinished_requests():
             engine.step()
         torch.cuda.synchronize()
