@@ -67,11 +67,11 @@ def measure(batch: int, context: int, q_heads: int) -> list[dict]:
             return triton_decode.decode_attention(q, cache, tables, lens, 0.088, rule=rule)
 
         ms = graph_replay_ms(step)
+        fraction = kv_bytes / (ms * 1e-3) / HBM_BYTES_PER_S
         rows.append(dict(rule=name, batch=batch, context=context, q_heads=q_heads, us=1e3 * ms,
-                         fraction=kv_bytes / (ms * 1e-3) / HBM_BYTES_PER_S,
-                         plan=plan._asdict()))  # fmt: skip
+                         fraction=fraction, plan=plan._asdict()))  # fmt: skip
         print(f"  B{batch:>3} {context:>6} {name:>22}: {1e3 * ms:8.1f} us, "
-              f"{100 * rows[-1]['fraction']:5.1f}% of HBM, {plan}", flush=True)  # fmt: skip
+              f"{100 * fraction:5.1f}% of HBM, {plan}", flush=True)  # fmt: skip
     return rows
 
 

@@ -133,7 +133,7 @@ def decode_run(llm: LLM, batch: list[list[int]], steps: int, max_tokens: int) ->
         engine.step()
     result = dict(decode_tok_s=tokens / seconds, decode_ms_per_step=1e3 * seconds / steps,
                   decode_streams=tokens / steps)  # fmt: skip
-    if graphs_before is not None:
+    if graphs_before is not None and engine.graphs is not None:
         after = engine.graphs.stats()
         result["decode_replays"] = after["replays"] - graphs_before["replays"]
     return result
