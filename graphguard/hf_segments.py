@@ -27,7 +27,7 @@ Python path, as they choose the whole step's).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -37,14 +37,11 @@ from torch import Tensor
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
 from graphguard.core.graph_runner import GraphRunner
-from graphguard.core.inputs import CallPlan
-from graphguard.core.keys import GraphKey
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.options import CaptureConfig
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.verify import VerifyConfig
 from graphguard.segmented import Carry, SegmentedRunner, Stage
-from graphguard.segmented.runner import Call, SegmentGroups
 
 
 class DecodeMode(enum.StrEnum):
@@ -73,28 +70,10 @@ class StepContext:
     cache: Any  # the StaticCache of the call's rows (one per batch size: GraphedCausalLM)
 
 
-class AdapterGroups(SegmentGroups):
-    """SegmentGroups keyed by the carry's shapes and the step's active adapters."""
-
-    def plan(self, call: Call) -> CallPlan | FallbackReason:
-        plan = super().plan(call)
-        if isinstance(plan, FallbackReason):
-            return plan
-        _, context = call
-        return CallPlan(GraphKey((*plan.key.args, context.adapters)), None)
-
-
-class AdapterSegmentedRunner(SegmentedRunner):
-    """A SegmentedRunner whose keys hold the call's adapters (StepContext.adapters) too."""
-
-    def __init__(self, stages: Sequence[Stage], *, capture: CaptureConfig, **options: Any):
-        super().__init__(stages, capture=capture, **options)
-        groups = self.kind
-        # NOTE: the same groups, with the adapters in their key: a LoRA layer in a segment adds
-        # its update or not by the adapters, so a stale group must never answer another set.
-        self.kind = AdapterGroups(
-            groups.pieces, groups.backend, groups.verify, capture, groups.max_bytes, groups.name
-        )
+def _adapters(context: StepContext) -> Hashable:
+    """The segments' key beyond the carry: the active adapters (a LoRA layer in a segment adds
+    its update or not by them, so a stale group must never answer another set)."""
+    return context.adapters
 
 
 def base_model(model: Any) -> Any:
@@ -214,7 +193,7 @@ class DecoderSegments:
         self.cache_of = cache_of
         self.mode = mode
         self.whole = whole
-        self.runner = AdapterSegmentedRunner(
+        self.runner = SegmentedRunner(
             decoder_stages(self.base),
             max_bytes=max_bytes,
             verify=verify,
@@ -224,6 +203,7 @@ class DecoderSegments:
             backend=backend,
             metrics=metrics,
             name="hf_segments",
+            context_key=_adapters,
         )
 
     def __call__(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:

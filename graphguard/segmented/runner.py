@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -59,8 +59,10 @@ class SegmentGroups:
         options: CaptureConfig,
         max_bytes: int,
         name: str,
+        context_key: Callable[[Any], Hashable] | None = None,
     ):
         self.pieces = pieces
+        self.context_key = context_key
         self.backend = backend
         self.verify = verify
         self.owners, self.options = options.owners_apart()
@@ -68,15 +70,19 @@ class SegmentGroups:
         self.name = name
 
     def plan(self, call: Call) -> CallPlan | FallbackReason:
-        """The carry's exact specs are the key (no buckets: rows are not padded)."""
-        carry, _ = call
+        """The carry's exact specs are the key (no buckets: rows are not padded), with what
+        `context_key` reads from the call's context."""
+        carry, context = call
         assert self.backend is not None
         for value in carry:
             if not isinstance(value, Tensor):
                 return FallbackReason.UNSUPPORTED_INPUT
             if value.device != self.backend.device:
                 return FallbackReason.DEVICE_MISMATCH
-        return CallPlan(carry_key(carry), None)
+        key = carry_key(carry)
+        if self.context_key is not None:
+            key = GraphKey((*key.args, self.context_key(context)))
+        return CallPlan(key, None)
 
     def eager(self, call: Call) -> Carry:
         return run_eager(self.pieces, *call)
@@ -163,6 +169,8 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         metrics: a GraphMetrics to report into (shared across runners), or a private one.
         clock: time source of every admission decision.
         name: the runner's name in logs, metrics and stats.
+        context_key: what of a call's context selects its segments' Python path, part of each
+            group's key (a transformers model's active adapters); None: the carry alone.
     """
 
     def __init__(
@@ -177,6 +185,7 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         metrics: GraphMetrics | None = None,
         clock: Clock = time.monotonic,
         name: str = "segmented",
+        context_key: Callable[[Any], Hashable] | None = None,
     ):
         capture = capture or CaptureConfig()
         if capture.background and capture.examples is None:
@@ -186,7 +195,7 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         verify = verify if isinstance(verify, VerifyConfig) else VerifyConfig(verify)
         resolved = resolve_backend(backend, capture.device)
         pieces = split_segments(stages)
-        kind = SegmentGroups(pieces, resolved, verify, capture, max_bytes, name)
+        kind = SegmentGroups(pieces, resolved, verify, capture, max_bytes, name, context_key)
         super().__init__(
             kind, backend=resolved, max_bytes=max_bytes, admission=admission, capture=kind.options,
             metrics=metrics, clock=clock, name=name,
