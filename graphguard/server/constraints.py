@@ -12,10 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from graphguard.engine.tokens.sampling import MAX_LOGIT_BIAS
 from graphguard.engine.tokens.structured import ResponseFormat, ResponseFormatKind
 
-TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id in decimal
+# A logit_bias key: a token id in decimal, without leading zeros (so distinct keys are
+# distinct ids, as the document can state).
+TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 # What checked_logit_bias takes, as the OpenAPI document states it.
 LOGIT_BIAS_SCHEMA: dict[str, Any] = {
-    "propertyNames": {"pattern": f"^{TOKEN_ID_KEY.pattern}$"},
+    "propertyNames": {"pattern": f"^({TOKEN_ID_KEY.pattern})$"},
     "additionalProperties": {
         "type": "number",
         "minimum": -MAX_LOGIT_BIAS,

@@ -72,6 +72,10 @@ async def _template_ids(
     ctx.check_length([m["content"] for m in messages], "messages")
     try:
         num_chars = sum(len(m["content"]) + 32 for m in messages)  # and each one's markup
+        if not rendering.add_special_tokens:  # the template places its own, as in a chat
+            generation_prompt = rendering.add_generation_prompt
+            apply = ctx.tokenizer.apply_chat_template
+            return await text_work(num_chars, apply, messages, generation_prompt)
         return await text_work(num_chars, _render_ids, ctx.tokenizer, messages, rendering)
     except Exception as exc:  # the template rejects some conversations (e.g. role order)
         raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
@@ -80,6 +84,7 @@ async def _template_ids(
 def _render_ids(
     tokenizer: Tokenizer, messages: list[dict[str, str]], rendering: ChatRendering
 ) -> list[int]:
+    """The rendered conversation's ids with the tokenizer's own special tokens added."""
     text = tokenizer.render_chat(messages, rendering.add_generation_prompt)
     return tokenizer.encode(text, rendering.add_special_tokens)
 

@@ -31,6 +31,7 @@ API_KEY = "sk-fuzz-0123456789"
 FUZZ_ENGINE = EngineConfig(max_model_len=128, max_num_seqs=8, num_kv_blocks=32)
 # What one valid request may generate: choices (`n`) and tokens per choice.
 MAX_GENERATED_TOKENS = 4
+MAX_MESSAGES, MAX_TEXT_CHARS = 4, 32  # a conversation that fits FUZZ_ENGINE's context
 CAPS = {"n": 2, "max_tokens": MAX_GENERATED_TOKENS, "max_completion_tokens": MAX_GENERATED_TOKENS}
 # Per operation and mode: the whole run takes about forty seconds. A longer hunt:
 # GRAPHGUARD_FUZZ_EXAMPLES=500 pytest tests/server/test_openapi_fuzz.py
@@ -136,14 +137,23 @@ def _aim_at_the_engine(case: Any, mode: GenerationMode) -> None:
                 body[name] = cap
         if None not in (body.get("max_tokens"), body.get("max_completion_tokens")):
             body["max_completion_tokens"] = body["max_tokens"]  # the two names of one limit
-        _drop_images(body)
+        _fit_the_context(body)
 
 
-def _drop_images(body: dict[str, Any]) -> None:
-    """Image parts as text parts: a generated data URL is never a decodable image, which the
-    document cannot state."""
-    for message in body.get("messages") or []:
+def _fit_the_context(body: dict[str, Any]) -> None:
+    """What the document cannot state, made to hold: at most MAX_MESSAGES messages of at most
+    MAX_TEXT_CHARS characters each fit the context, and image parts become text parts (a
+    generated data URL is never a decodable image)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    del messages[MAX_MESSAGES:]
+    for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            message["content"] = content[:MAX_TEXT_CHARS]
         for index, part in enumerate(content if isinstance(content, list) else []):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 content[index] = {"type": "text", "text": "an image"}
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                part["text"] = part["text"][:MAX_TEXT_CHARS]
