@@ -6,8 +6,13 @@ several runs side by side).
 
     python bench/serve_load.py                       # starts `graphguard serve` (embedded model)
     python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
+    python bench/serve_load.py --clients 4 --concurrency 16   # 4 processes of 16 streams each
 
-Requests use `ignore_eos` so every one generates exactly --max-tokens tokens.
+Requests use `ignore_eos` so every one generates exactly --max-tokens tokens. With `--clients N`
+the load comes from N client processes, each with --concurrency streams, so that one client's
+interpreter does not cap the load; the report says which side was the bound (bench/load_bounds.py:
+client CPU against wall, the server's and the engine process's CPU, and the engine's step
+interval against the gap between a stream's tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import signal
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,6 +38,16 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.load_bounds import (  # noqa: E402
+    ClientRun,
+    bound_report,
+    cpu_seconds,
+    engine_counts,
+    listener_pid,
+)
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = (
@@ -95,7 +112,10 @@ async def one_request(
     return RequestResult(start - load_start, first - start, tpot, last - start, num_tokens)
 
 
-async def run_load(url: str, model: str, args: argparse.Namespace) -> list[RequestResult]:
+async def run_load(
+    url: str, model: str, args: argparse.Namespace, indices: range | None = None
+) -> list[RequestResult]:
+    """Requests `indices` (default: all of them), at most --concurrency at a time."""
     semaphore = asyncio.Semaphore(args.concurrency)
     limits = httpx.Limits(max_connections=args.concurrency)
     load_start = time.perf_counter()
@@ -105,7 +125,26 @@ async def run_load(url: str, model: str, args: argparse.Namespace) -> list[Reque
             async with semaphore:
                 return await one_request(client, model, index, args, load_start)
 
-        return await asyncio.gather(*(bounded(i) for i in range(args.num_requests)))
+        chosen = range(args.num_requests) if indices is None else indices
+        return await asyncio.gather(*(bounded(i) for i in chosen))
+
+
+def client_process(url: str, model: str, args: argparse.Namespace, index: int) -> ClientRun:
+    """Client `index` of --clients: requests index, index + clients, ...; with its CPU time."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    indices = range(index, args.num_requests, args.clients)
+    results = asyncio.run(run_load(url, model, args, indices))
+    return ClientRun(results, time.process_time() - cpu, time.perf_counter() - wall)
+
+
+def run_clients(url: str, model: str, args: argparse.Namespace) -> list[ClientRun]:
+    """The load from --clients processes (here, when one), each with --concurrency streams."""
+    if args.clients == 1:
+        return [client_process(url, model, args, 0)]
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.clients, mp_context=context) as pool:
+        runs = [pool.submit(client_process, url, model, args, i) for i in range(args.clients)]
+        return [run.result() for run in runs]
 
 
 def summarize(results: list[RequestResult], wall_s: float) -> dict[str, float]:
@@ -144,6 +183,8 @@ def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, fl
     command += ["--enforce-eager"] if args.enforce_eager else []
     command += ["--warmup-graphs"] if args.warmup_graphs else []
     command += ["--no-background-capture"] if args.no_background_capture else []
+    command += ["--no-engine-process"] if args.in_process else []
+    command += ["--kernels", args.kernels] if args.kernels else []
     started = time.perf_counter()
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -175,7 +216,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--url", help="a running server on loopback; default: start one here")
     parser.add_argument("--model", help="model id to send; default: the server's only model")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=8, help="streams per client")
+    parser.add_argument("--clients", type=int, default=1, help="client processes")
+    parser.add_argument(
+        "--in-process", action="store_true", help="local server: the engine on a thread of it"
+    )
+    parser.add_argument("--kernels", help="local server: its --kernels")
+    parser.add_argument("--server-pid", type=int, help="with --url: the server's process id")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
         "--prompt-spread", type=int, default=0, help="vary prompt lengths by up to N-1 words"
@@ -211,9 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         # Other work on the host skews CPU numbers: record the load around the run.
         load_before = os.getloadavg()[0]
         graphs_before = httpx.get(f"{url}/v1/graphs").json()
+        server_pid = args.server_pid or listener_pid(urlparse(url).port or 80)
+        cpu_before, counts_before = cpu_seconds(server_pid), engine_counts(url)
         start, start_unix = time.perf_counter(), time.time()
-        results = asyncio.run(run_load(url, model, args))
-        summary: dict[str, Any] = summarize(results, time.perf_counter() - start)
+        runs = run_clients(url, model, args)
+        wall_s = time.perf_counter() - start
+        cpu_after, counts_after = cpu_seconds(server_pid), engine_counts(url)
+        results = [result for run in runs for result in run.results]
+        summary: dict[str, Any] = summarize(results, wall_s)
+        tpots = [r.tpot_s for r in results if r.tpot_s is not None]
+        tpot_p50 = percentile(tpots, 50) if tpots else None
+        summary["bounds"] = bound_report(
+            runs, wall_s, cpu_before, cpu_after, counts_before, counts_after, tpot_p50
+        )
         graphs = httpx.get(f"{url}/v1/graphs").json()
     if graphs.get("enabled", True):
         # What the graphs did while the load ran: captures, hit rate, fallbacks by reason.
@@ -229,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary.update(graphs_during_load("prefill_rows", rows_before, rows))
     report = {
         "benchmark": "serve_load",
-        "mode": args.mode or _default_mode(args),
+        "mode": args.mode or _default_mode(args) + ("-in-process" if args.in_process else ""),
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "model": model,
         "summary": summary,

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, lifespan (engine thread start/stop), request metrics, and the
+"""The FastAPI app: routes, lifespan (engine start/stop), request metrics, and the
 middleware that checks the Host header, the API key and the body size before any route."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from graphguard.server.handlers import create_chat_completion, create_completion
 from graphguard.server.metrics import ServerMetrics
 from graphguard.server.openapi import ServerAPI, error_responses, streamed
 from graphguard.server.security import APIKeyMiddleware, HostCheckMiddleware
+from graphguard.server.served import ServedEngine
 
 ENDPOINTS = frozenset(
     {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
@@ -37,27 +38,28 @@ GENERATION_ERRORS = error_responses(400, 404, 503)  # what the generation routes
 router = APIRouter()
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """An app serving `engine`. Its lifespan starts the engine thread and, on exit, aborts
-    in-flight requests and calls `engine.shutdown()`."""
-    async_engine = AsyncEngine(engine)
-    metrics = ServerMetrics()
+def build_app(engine: LLMEngine | ServedEngine, config: ServerConfig) -> FastAPI:
+    """An app serving `engine`: an engine process already launched (EngineProcessClient), or
+    an LLMEngine stepped on a thread of this process. Its lifespan starts serving and, on
+    exit, aborts in-flight requests and shuts the engine down."""
+    served = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
+    info, metrics = served.info, ServerMetrics()
     serving = ServingContext(
-        engine=async_engine,
+        engine=served,
         metrics=metrics,
-        tokenizer=engine.tokenizer,
+        tokenizer=info.tokenizer,
         model_name=config.model_name,
-        max_model_len=engine.max_model_len,
-        vocab_size=engine.model_config.vocab_size,
-        max_pool_tokens=engine.stats()["kv_blocks_total"] * engine.config.block_size,
-        max_token_chars=engine.tokenizer.max_token_chars,
+        max_model_len=info.max_model_len,
+        vocab_size=info.model_config.vocab_size,
+        max_pool_tokens=info.stats["kv_blocks_total"] * info.block_size,
+        max_token_chars=info.tokenizer.max_token_chars,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        served.start()
         yield
-        await asyncio.to_thread(async_engine.shutdown)
+        await asyncio.to_thread(served.shutdown)
 
     app = ServerAPI(
         config,

@@ -1,4 +1,6 @@
-"""Runs LLMEngine.step() on a thread of its own and delivers outputs to asyncio consumers.
+"""Runs LLMEngine.step() on a thread of its own and delivers outputs to asyncio consumers: the
+in-process way to serve an engine (`--no-engine-process`; engine_client.py runs it in a process
+of its own, the default). `RequestStream`, the stream of one request's outputs, serves both.
 
 The engine is not thread-safe, so only the engine thread ever touches its requests, scheduler
 and KV pool: the event loop sends commands (add, abort) through a queue and the thread applies
@@ -13,19 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from torch import Tensor
 
 from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.models.vision import VisionEncoder
-from graphguard.engine.tokens.sampling import SamplingParams
+from graphguard.server.engine_messages import EngineRequest
+from graphguard.server.engine_process import engine_info
 
 logger = logging.getLogger("graphguard.server")
 
@@ -35,18 +39,28 @@ class EngineClosedError(RuntimeError):
 
 
 class RequestStream:
-    """The outputs of one request, in order, ending with one whose `finished` is True."""
+    """The outputs of one request, in order, ending with one whose `finished` is True.
+
+    A reader that falls behind gets the outputs waiting for it as one (`merge_outputs`): a
+    client that cannot keep up is sent one SSE event for several tokens, not one per token.
+    """
 
     def __init__(self, request_id: str, num_prompt_tokens: int) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.is_finished = False
-        self.last: RequestOutput | None = None  # written by the engine thread only
+        self.last: RequestOutput | None = None  # written by the engine's side only
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
 
     def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
         deliver([(self, item)])
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand the reader `item`; on the event loop's thread only."""
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -54,12 +68,38 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.is_finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.is_finished = True
             raise item
+        # NOTE: an error waiting behind outputs is raised on the next call, after them.
+        while self._items and not item.finished and not isinstance(self._items[0], BaseException):
+            item = merge_outputs(item, self._items.popleft())  # type: ignore[arg-type]
         self.is_finished = item.finished
         return item
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output standing for `first` followed by `then`, two outputs of one request."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return RequestOutput(
+        request_id=then.request_id,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        delta_text=first.delta_text + then.delta_text,
+        text=then.text,
+        finished=then.finished,
+        finish_reason=then.finish_reason,
+        num_prompt_tokens=then.num_prompt_tokens,
+        num_output_tokens=then.num_output_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+        error=then.error or first.error,
+    )
 
 
 Delivery = tuple[RequestStream, RequestOutput | BaseException]
@@ -85,20 +125,7 @@ def deliver(items: list[Delivery]) -> None:
 
 def _put_all(items: list[Delivery]) -> None:
     for stream, item in items:
-        stream._queue.put_nowait(item)
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """A request for the engine: its id (unique among those in flight), prompt and sampling."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    images: list[Tensor] | None = None  # pixel tensors, one per image placeholder run
-    # Another choice of the request named here, added before it in the same call: it shares
-    # that one's prefill (LLMEngine.add_request's fork_of).
-    fork_of: str | None = None
+        stream.put(item)
 
 
 @dataclass(frozen=True)
@@ -118,6 +145,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
+        self.info = engine_info(engine, os.getpid())
         self._vision = engine.vision  # set once when the engine is built; never replaced
         self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -284,7 +312,7 @@ class AsyncEngine:
             if stream is None:
                 continue  # finished already, or never admitted
             self._engine.abort_request(rid)
-            stream.put_threadsafe(_aborted_output(stream))
+            stream.put_threadsafe(aborted_output(stream))
 
     def _step(self) -> None:
         try:
@@ -315,7 +343,8 @@ class AsyncEngine:
         self._streams.clear()
 
 
-def _aborted_output(stream: RequestStream) -> RequestOutput:
+def aborted_output(stream: RequestStream) -> RequestOutput:
+    """The last output of an aborted request: no new token, its text so far."""
     last = stream.last
     return RequestOutput(
         request_id=stream.request_id,

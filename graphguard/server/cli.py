@@ -24,8 +24,9 @@ from graphguard.server.config import ServerConfig
 from graphguard.server.flags import add_flags, configs_from_args, format_bytes
 
 if TYPE_CHECKING:
-    from graphguard.engine.config import EngineConfig
     from graphguard.engine.engine import LLMEngine
+    from graphguard.server.engine_client import EngineProcessClient
+    from graphguard.server.engine_messages import EngineInfo
 
 logger = logging.getLogger("graphguard.server")
 
@@ -46,28 +47,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return configs_from_args(args)
 
 
-def describe_engine(engine: LLMEngine, config: ServerConfig) -> list[str]:
-    """Startup lines: model, device, dtype, KV blocks, and whether decode graphs are on."""
-    stats = engine.stats()
+def describe_engine(info: EngineInfo, config: ServerConfig) -> list[str]:
+    """Startup lines: model, where the engine runs, device, dtype, KV blocks, kernels, and
+    whether decode graphs are on."""
     source = config.engine.model or "embedded"
-    device, max_model_len = engine.device, engine.max_model_len
-    dtype = str(engine.dtype).removeprefix("torch.")
-    kv = (
-        f"{stats.get('kv_blocks_total', '?')} blocks x {config.engine.block_size} tokens "
-        f"({stats.get('kv_bytes', 0) / (1 << 20):.0f} MiB)"
-    )
-    graphs = engine.graphs
-    if graphs is None:
-        graph_line = f"decode graphs: off ({engine.graphs_off_reason})"
-    else:
-        graph_line = f"decode graphs: on ({graphs.enabled_reason})"
-    return [
-        f"model: {config.model_name} ({source})",
-        f"device: {device}, dtype: {dtype}, max model len: {max_model_len}",
-        f"KV cache: {kv}, max num seqs: {config.engine.max_num_seqs}",
-        f"kernels: {engine.kernels.describe()}",
-        graph_line,
-    ]
+    where = f"process {info.pid}" if config.engine_process else "a thread of the server"
+    return [f"model: {config.model_name} ({source}); engine in {where}", *info.description]
 
 
 def describe_access(config: ServerConfig) -> str:
@@ -99,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.info("loading %s", config.model_name)
     try:
-        engine = build_engine(config.engine)
+        engine = start_engine(config)
     except ValueError as exc:  # a setting the model or the memory cannot honour
         logger.error("cannot start: %s", exc)
         return 2
-    for line in describe_engine(engine, config):
-        logger.info("%s", line)
     app = build_app(engine, config)
+    for line in describe_engine(app.state.serving.engine.info, config):
+        logger.info("%s", line)
     logger.info("OpenAI API at http://%s:%d/v1 (model id %r)", config.host, config.port,
                 config.model_name)  # fmt: skip
     logger.info("%s", describe_access(config))
@@ -129,15 +114,15 @@ def prepare_interpreter(config: ServerConfig) -> None:
     sys.setswitchinterval(config.switch_interval_ms / 1e3)
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
-    """One process's engine, or rank 0's of `tensor_parallel_size` ranks (the others start
-    as child processes and end with it)."""
-    from graphguard.engine.engine import LLMEngine
-    from graphguard.engine.launch.spawn import start_ranks
+def start_engine(config: ServerConfig) -> LLMEngine | EngineProcessClient:
+    """The engine `config` asks for: launched in a process of its own (the default), or built
+    in this one (`engine_process` False)."""
+    from graphguard.server.engine_client import EngineProcessClient
+    from graphguard.server.engine_process import build_engine
 
-    if config.tensor_parallel_size == 1:
-        return LLMEngine(config)
-    return start_ranks(config)[0]
+    if config.engine_process:
+        return EngineProcessClient.launch(config.engine, config.log_level)
+    return build_engine(config.engine)
 
 
 def uvicorn_config(

@@ -51,6 +51,10 @@ class ServerConfig:
     # to get it back from a step. With Python's 5 ms, time to first token under load was up
     # to 40% longer (docs/serving.md).
     switch_interval_ms: float = 0.5
+    # The engine steps in a process of its own (graphguard/server/engine_process.py), so that
+    # HTTP, tokenizing and SSE framing never hold its interpreter lock; False steps it on a
+    # thread of the server's process (for debugging, and for tests that reach into it).
+    engine_process: bool = True
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from graphguard.engine.tokens.tokenizer import Tokenizer
-from graphguard.server.async_engine import AsyncEngine
 from graphguard.server.errors import APIError
 from graphguard.server.metrics import ServerMetrics
+from graphguard.server.served import ServedEngine
 
 T = TypeVar("T")
 
@@ -38,7 +38,7 @@ async def text_work(num_chars: int, fn: Callable[..., T], *args: Any) -> T:
 class ServingContext:
     """What the endpoints need from the server: one per app."""
 
-    engine: AsyncEngine
+    engine: ServedEngine
     metrics: ServerMetrics
     tokenizer: Tokenizer
     model_name: str

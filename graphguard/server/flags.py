@@ -272,6 +272,13 @@ FLAGS: dict[str, Flag] = {
         type=float,
         metavar="MS",
     ),
+    "engine_process": Flag(
+        "server",
+        "step the engine on a thread of the server's process instead of in a process of its "
+        "own (for debugging: HTTP work then shares the engine's interpreter lock)",
+        switch=True,
+        no_=True,
+    ),
 }
 
 # fields that are settings of the Python API only, and why

@@ -1,8 +1,11 @@
-"""One real server for the whole suite: the embedded model behind uvicorn on 127.0.0.1.
+"""One real server for the whole suite: the embedded model behind uvicorn on 127.0.0.1, its
+engine in a process of its own (the default). Fixtures that need a second server share the
+session engine's weights and step it on a thread of this process (`engine_process` off).
 
-The model loads once per session (about 2 s from the user cache, ~35 s the first time). The
-KV pool is deliberately smaller than the context (63 usable blocks x 16 = 1008 tokens against
-max_model_len 1024) so that the engine's own admission check can be exercised.
+The model loads once per session (about 2 s from the user cache, ~35 s the first time), and
+once more in the engine process. The KV pool is deliberately smaller than the context (63
+usable blocks x 16 = 1008 tokens against max_model_len 1024) so that the engine's own
+admission check can be exercised.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from graphguard.engine.config import EngineConfig  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.models.loader import LoadedModel  # noqa: E402
 from graphguard.server.app import build_app  # noqa: E402
-from graphguard.server.cli import uvicorn_config  # noqa: E402
+from graphguard.server.cli import start_engine, uvicorn_config  # noqa: E402
 from graphguard.server.config import ServerConfig  # noqa: E402
 
 from .helpers import RunningServer, free_port  # noqa: E402
@@ -37,8 +40,8 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="session")
-def server(engine: LLMEngine) -> Iterator[RunningServer]:
-    yield from serve(engine, TEST_ENGINE)
+def server() -> Iterator[RunningServer]:
+    yield from serve(None, TEST_ENGINE)
 
 
 def engine_sharing_weights(engine: LLMEngine, config: EngineConfig = TEST_ENGINE) -> LLMEngine:
@@ -48,14 +51,16 @@ def engine_sharing_weights(engine: LLMEngine, config: EngineConfig = TEST_ENGINE
 
 
 def serve(
-    engine: LLMEngine, engine_config: EngineConfig, **server_fields: Any
+    engine: LLMEngine | None, engine_config: EngineConfig, **server_fields: Any
 ) -> Iterator[RunningServer]:
     """Run `engine` behind uvicorn on a free loopback port until the generator is closed;
+    None: an engine process of `engine_config`, as `graphguard serve` runs by default.
     `server_fields` are ServerConfig fields (api_key, max_request_bytes, ...)."""
     server_fields.setdefault("log_level", "warning")
+    server_fields.setdefault("engine_process", engine is None)
     config = ServerConfig(port=free_port(), engine=engine_config, **server_fields)
     # The settings `graphguard serve` runs with (its HTTP protocol and deadlines included).
-    app = build_app(engine, config)
+    app = build_app(engine or start_engine(config), config)
     uv = uvicorn.Server(
         uvicorn_config(app, config, app.state.serving.metrics.record_header_timeout)
     )
@@ -65,7 +70,7 @@ def serve(
     while not uv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
-    yield RunningServer(f"http://{config.host}:{config.port}", engine)
+    yield RunningServer(f"http://{config.host}:{config.port}", app.state.serving.engine, engine)
     uv.should_exit = True
     thread.join(30)
 

@@ -13,6 +13,8 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphguard.engine.engine import LLMEngine
+from graphguard.engine.tokens.tokenizer import Tokenizer
+from graphguard.server.served import ServedEngine
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -28,7 +30,12 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class RunningServer:
     base_url: str
-    engine: LLMEngine
+    engine: ServedEngine  # what the endpoints call: stats() as /metrics sees them
+    in_process: LLMEngine | None = None  # the engine itself, when it steps in this process
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.info.tokenizer
 
     def openai(self, **kwargs: Any) -> OpenAI:
         return OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs)

@@ -25,7 +25,7 @@ def _prefilled(server: RunningServer) -> int:
 def test_n_choices_come_in_index_order_from_one_prefill(
     client: OpenAI, server: RunningServer
 ) -> None:
-    num_prompt = len(server.engine.tokenizer.encode(PROMPT))
+    num_prompt = len(server.tokenizer.encode(PROMPT))
     before = _prefilled(server)
     reply = client.completions.create(
         model=MODEL, prompt=PROMPT, n=4, max_tokens=6, temperature=1.0, seed=3
@@ -124,4 +124,4 @@ def test_a_disconnect_aborts_every_choice_and_frees_the_shared_blocks(
         assert server.sample(RUNNING) == 3
     assert wait_for(lambda: server.sample(KV_USED) == 0, timeout_s=5)
     assert wait_for(lambda: server.sample(RUNNING) == 0, timeout_s=5)
-    assert server.engine.kv.num_used_blocks == 0
+    assert server.engine.stats()["kv_blocks_used"] == 0

@@ -318,8 +318,8 @@ def test_an_error_quoting_a_lone_surrogate_still_renders() -> None:
 def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(
     server: RunningServer, endpoint: str
 ) -> None:
-    engine = server.engine
-    most = engine.max_model_len * engine.tokenizer.max_token_chars  # the bound the server uses
+    info = server.engine.info
+    most = info.max_model_len * info.tokenizer.max_token_chars  # the bound the server uses
     text = "a" * (most + 1)
     body = (
         _completion(prompt=text)
@@ -334,7 +334,7 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(
 
 
 def test_more_messages_than_the_context_has_tokens_are_refused(server: RunningServer) -> None:
-    many = [{"role": "user", "content": "hi"}] * (server.engine.max_model_len + 1)
+    many = [{"role": "user", "content": "hi"}] * (server.engine.info.max_model_len + 1)
     response = _post(server, CHAT, _chat(messages=many))
     assert response.status_code == 400, response.text
     error = response.json()["error"]

@@ -59,9 +59,7 @@ def test_chat_usage_counts_match_the_tokenizer(client: OpenAI, server: RunningSe
     reply = client.chat.completions.create(
         model=MODEL, messages=CAPITAL_QUESTION, temperature=0, max_completion_tokens=3
     )
-    num_prompt = len(
-        server.engine.tokenizer.apply_chat_template([dict(m) for m in CAPITAL_QUESTION])
-    )
+    num_prompt = len(server.tokenizer.apply_chat_template([dict(m) for m in CAPITAL_QUESTION]))
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == num_prompt
     assert reply.usage.completion_tokens == 3  # finish_reason "length": exactly max tokens
@@ -72,7 +70,7 @@ def test_completion_usage_counts_match_the_tokenizer(client: OpenAI, server: Run
     prompt = "Once upon a time"
     reply = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=4)
     assert reply.usage is not None
-    assert reply.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert reply.usage.prompt_tokens == len(server.tokenizer.encode(prompt))
     assert reply.usage.completion_tokens == 4
 
 

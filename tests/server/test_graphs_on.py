@@ -38,10 +38,10 @@ def ask_paris(server: RunningServer) -> str:
 def test_greedy_answers_are_unchanged_with_graphs_on(
     graph_server: RunningServer, server: RunningServer
 ) -> None:
-    assert server.engine.graphs is None  # the reference server runs eagerly
+    assert not server.engine.info.has_graph_metrics  # the reference server runs eagerly
     answer = ask_paris(graph_server)
     assert answer == ask_paris(server) and "Paris" in answer
-    assert graph_server.engine.graphs.stats()["replays"] > 0
+    assert graph_server.in_process.graphs.stats()["replays"] > 0
 
 
 def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningServer) -> None:
@@ -49,10 +49,10 @@ def test_graphs_endpoint_lists_the_resident_decode_graphs(graph_server: RunningS
     body = httpx.get(f"{graph_server.base_url}/v1/graphs").json()
     assert body["enabled"] is True and body["reason"] == "enabled"
     assert body["replays"] > 0 and body["graphs"] and body["resident_bytes"] > 0
-    assert body["kv_bytes"] == graph_server.engine.kv.kv_bytes
+    assert body["kv_bytes"] == graph_server.in_process.kv.kv_bytes
     # The prefill graphs report beside them, with the calls that reached them.
     assert body["prefill"] is not None and body["prefill"]["calls"] > 0
-    decode_keys = set(graph_server.engine.graphs.stats()) - {"prefill"}
+    decode_keys = set(graph_server.in_process.graphs.stats()) - {"prefill"}
     assert decode_keys <= set(body)
 
 
@@ -60,7 +60,7 @@ def test_metrics_carry_the_graph_runtime_counters(graph_server: RunningServer) -
     ask_paris(graph_server)
     text = httpx.get(f"{graph_server.base_url}/metrics").text
     families = {f.name for f in text_string_to_metric_families(text)}
-    graph_families = {f.name for f in graph_server.engine.graphs.registry.collect()}
+    graph_families = {f.name for f in graph_server.in_process.graphs.registry.collect()}
     assert "graphguard_replays" in graph_families and graph_families <= families
     samples = graph_server.scrape()
     assert samples[("graphguard_replays_total", frozenset())] > 0

@@ -44,7 +44,7 @@ def test_text_prompts_get_one_choice_each_in_prompt_order(client: OpenAI) -> Non
 
 
 def test_token_id_prompts_answer_as_their_texts(client: OpenAI, server: RunningServer) -> None:
-    ids = [server.engine.tokenizer.encode(p) for p in PROMPTS]
+    ids = [server.tokenizer.encode(p) for p in PROMPTS]
     batched = client.completions.create(prompt=ids, **GREEDY)
     assert [c.text for c in batched.choices] == _single_texts(client, PROMPTS)
     one = client.completions.create(prompt=ids[1], **GREEDY)  # a flat list is one prompt
@@ -53,7 +53,7 @@ def test_token_id_prompts_answer_as_their_texts(client: OpenAI, server: RunningS
 
 def test_usage_sums_over_the_prompts(client: OpenAI, server: RunningServer) -> None:
     reply = client.completions.create(prompt=PROMPTS, extra_body={"ignore_eos": True}, **GREEDY)
-    num_prompt = sum(len(server.engine.tokenizer.encode(p)) for p in PROMPTS)
+    num_prompt = sum(len(server.tokenizer.encode(p)) for p in PROMPTS)
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == num_prompt
     assert reply.usage.completion_tokens == 2 * GREEDY["max_tokens"]

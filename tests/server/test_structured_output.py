@@ -122,7 +122,7 @@ def test_logit_bias_of_minus_100_bans_the_greedy_token(
     greedy: dict[str, Any] = {"model": MODEL, "prompt": "The capital of France is"}
     plain = client.completions.create(max_tokens=1, temperature=0, logprobs=0, **greedy)
     assert plain.choices[0].text == " Paris"
-    (paris,) = server.engine.tokenizer.encode(" Paris")
+    (paris,) = server.tokenizer.encode(" Paris")
     banned = client.completions.create(
         max_tokens=1, temperature=0, logit_bias={str(paris): -100}, **greedy
     )
@@ -130,7 +130,7 @@ def test_logit_bias_of_minus_100_bans_the_greedy_token(
 
 
 def test_logit_bias_of_100_forces_a_token(client: OpenAI, server: RunningServer) -> None:
-    (token,) = server.engine.tokenizer.encode(" banana")
+    (token,) = server.tokenizer.encode(" banana")
     reply = client.completions.create(
         model=MODEL,
         prompt="The capital of France is",

@@ -1,0 +1,125 @@
+"""Which side bounds a serve_load run: the clients, the server's HTTP process, or the engine.
+
+Each client process reports its CPU seconds against its wall seconds (near 1: it was busy all
+the time, so the load it offered was its own limit). The server's process and its children
+(the engine process, tensor-parallel ranks) are read through psutil, or /proc where psutil is
+missing. The engine's steps and tokens over the load come from /metrics, so its step interval
+can be set against the gap between a stream's tokens as the clients received them: a gap near
+the step interval means the server hands tokens out as fast as the engine makes them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+try:
+    import psutil
+except ImportError:  # /proc below
+    psutil = None
+
+BUSY = 0.85  # a process busy this fraction of the wall (of one core) is taken as the bound
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    """One client process's share of the load."""
+
+    results: list[Any]  # serve_load.RequestResult
+    cpu_s: float
+    wall_s: float
+
+
+def listener_pid(port: int) -> int | None:
+    """The process listening on loopback `port` (None when it cannot be found)."""
+    if psutil is None:
+        return None
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
+                return conn.pid
+    except psutil.AccessDenied:
+        return None
+    return None
+
+
+def cpu_seconds(pid: int | None) -> dict[str, float]:
+    """CPU seconds (user + system) of `pid` and, apart, of its descendants."""
+    if pid is None:
+        return {}
+    if psutil is None:
+        return {"server": _proc_cpu_s(pid)}
+    process = psutil.Process(pid)
+    children = process.children(recursive=True)
+    own = process.cpu_times()
+    figures = {"server": own.user + own.system}
+    figures["engine"] = sum(_psutil_cpu_s(child) for child in children)
+    return figures
+
+
+def _psutil_cpu_s(process: Any) -> float:
+    try:
+        times = process.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return float(times.user + times.system)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
+
+
+def engine_counts(url: str) -> dict[str, float]:
+    """Engine steps and generated tokens so far, from /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    names = {"graphguard_server_engine_steps": "steps"}
+    names["graphguard_server_generation_tokens_total"] = "tokens"
+    counts = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            counts[names[name]] = float(value)
+    return counts
+
+
+def bound_report(
+    runs: list[ClientRun],
+    wall_s: float,
+    cpu_before: dict[str, float],
+    cpu_after: dict[str, float],
+    counts_before: dict[str, float],
+    counts_after: dict[str, float],
+    tpot_p50_s: float | None,
+) -> dict[str, Any]:
+    """The figures that say which side bounds the run, and that side ("bound")."""
+    client_busy = max(run.cpu_s / run.wall_s for run in runs)
+    busy = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) / wall_s for name in cpu_after}
+    steps = counts_after.get("steps", 0.0) - counts_before.get("steps", 0.0)
+    report: dict[str, Any] = {
+        "num_clients": len(runs),
+        "client_cpu_s": [round(run.cpu_s, 3) for run in runs],
+        "client_busy_max": round(client_busy, 3),
+        "server_busy": round(busy.get("server", float("nan")), 3),
+        "engine_busy": round(busy.get("engine", float("nan")), 3),
+        "engine_steps": int(steps),
+        "engine_step_interval_ms": round(wall_s / steps * 1e3, 3) if steps else None,
+        "token_gap_p50_ms": round(tpot_p50_s * 1e3, 3) if tpot_p50_s else None,
+    }
+    report["bound"] = _verdict(client_busy, busy)
+    return report
+
+
+def _verdict(client_busy: float, busy: dict[str, float]) -> str:
+    if client_busy >= BUSY:
+        return "client"
+    if busy.get("server", 0.0) >= BUSY:
+        return "server"
+    if busy.get("engine", 0.0) >= BUSY or "engine" not in busy:
+        return "engine"  # in-process mode: the server's process is the engine's too
+    return "neither (idle time: a lock, the network, or too few streams)"

@@ -1,0 +1,159 @@
+"""One stream, offline against served: the `LLM` API's decode rate and `graphguard serve`'s
+streamed rate for the same prompt and token count, per kernel configuration, side by side in
+one run, with their ratio (served / offline).
+
+64 greedy tokens after "The capital of France is" (EOS ignored, as bench/cpu_decode.py). The
+server is started for each configuration with `--max-num-seqs 4 --max-model-len 512`, like the
+offline engine beside it in this process, and is read as a client reads it: a streamed
+/v1/completions, tokens counted from the usage chunk, time from sending the request to the
+last text. After one untimed run of each, offline and served runs alternate `--repeats` times
+and the ratio is the median of each pair's: on a shared machine whose speed drifts, a pair
+runs under the same load.
+
+    python bench/serve_vs_offline.py [--configs float32,q4] [--repeats 5]
+    python bench/serve_vs_offline.py --server-args=--no-engine-process   # the engine thread
+    python bench/serve_vs_offline.py --server-pythonpath /other/checkout # serve another tree
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import write_json  # noqa: E402
+from graphguard.engine.llm import LLM  # noqa: E402
+from graphguard.engine.models.loader import load_model  # noqa: E402
+from graphguard.engine.tokens.sampling import SamplingParams  # noqa: E402
+
+PROMPT, NEW_TOKENS = "The capital of France is", 64
+ENGINE_ARGS = ("--max-num-seqs", "4", "--max-model-len", "512")
+
+
+def paired_rates(config: str, repeats: int, args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(offline, served) tokens per second of `config`, `repeats` pairs run back to back."""
+    loaded = load_model(None, dtype="float32", device="cpu")
+    llm = LLM(loaded, max_model_len=512, max_num_seqs=4, kernels="q4" if config == "q4" else "auto")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    try:
+        with local_server(config, args) as client:
+            llm.generate([PROMPT], params, use_tqdm=False)
+            stream_once(client)
+            pairs = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                llm.generate([PROMPT], params, use_tqdm=False)
+                offline = NEW_TOKENS / (time.perf_counter() - start)
+                pairs.append((offline, NEW_TOKENS / stream_once(client)))
+            return pairs
+    finally:
+        llm.engine.shutdown()
+
+
+@contextmanager
+def local_server(config: str, args: argparse.Namespace) -> Iterator[httpx.Client]:
+    """A `graphguard serve` of `config` on a free loopback port, and a client of it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "graphguard.server.cli", "--port", str(port), *ENGINE_ARGS]
+    command += ["--device", "cpu", "--log-level", "warning"]
+    command += ["--kernels", "q4"] if config == "q4" else []
+    command += shlex.split(args.server_args)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if args.server_pythonpath:
+        env["PYTHONPATH"] = args.server_pythonpath
+    process = subprocess.Popen(command, env=env, cwd=args.server_pythonpath or None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process)
+        with httpx.Client(base_url=url, timeout=300) as client:
+            yield client
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def stream_once(client: httpx.Client) -> float:
+    """Seconds from sending one streamed request to its last text (NEW_TOKENS tokens)."""
+    body = {
+        "model": client.get("/v1/models").json()["data"][0]["id"],
+        "prompt": PROMPT,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    last, num_tokens = start, 0
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+    assert num_tokens == NEW_TOKENS, num_tokens
+    return last - start
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            sys.exit(f"graphguard serve did not become healthy (exit {process.returncode})")
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="float32,q4", help="comma list: float32, q4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--server-args", default="", help="more `graphguard serve` flags")
+    parser.add_argument("--server-pythonpath", help="serve the graphguard found here instead")
+    parser.add_argument("--label", default="", help="a name for this run in the JSON file name")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows = []
+    for config in args.configs.split(","):
+        pairs = paired_rates(config, args.repeats, args)
+        offline = statistics.median(o for o, _ in pairs)
+        served = statistics.median(s for _, s in pairs)
+        ratio = statistics.median(s / o for o, s in pairs)
+        rows.append(dict(config=config, offline_tok_s=offline, served_tok_s=served, ratio=ratio,
+                         pairs=pairs))  # fmt: skip
+        print(f"{config:8s} offline {offline:6.1f} tok/s  served {served:6.1f} tok/s  "
+              f"ratio {ratio:.2f} (median of pairs)", flush=True)  # fmt: skip
+    name = f"serve_vs_offline{'_' + args.label if args.label else ''}.json"
+    path = write_json(name, {"rows": rows, "server_args": args.server_args, "argv": sys.argv})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
