@@ -121,11 +121,13 @@ def _fused(
                             capture=gg.CaptureConfig(enabled=False))  # fmt: skip
     own = eager.generate(ids, max_new_tokens=new)
     eager.close()
+    before = torch.cuda.memory_reserved()
     graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET, kernels="fused",
                               admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
     first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
     again, seconds = timed(lambda: graphed.generate(ids, max_new_tokens=new))
     stats = graphed.runner.stats()
+    growth = torch.cuda.memory_reserved() - before
     graphed.close()
     generated = slice(PROMPT, None)
     return dict(
@@ -134,6 +136,8 @@ def _fused(
         fused_replays=stats["replays"],
         fused_equal_own_eager=bool(torch.equal(first, own) and torch.equal(again, own)),
         fused_tokens_as_hf=float((again[:, generated] == reference[:, generated]).float().mean()),
+        fused_reserved_growth_bytes=growth,
+        fused_graph_bytes=stats["resident_bytes"],
     )
 
 
@@ -229,7 +233,8 @@ def main() -> None:
     )
     for row in rows:
         print(_line(row))
-    print("     shape  batch  fused ms  fused/compile  x eager  first s  equal own  as hf")
+    print("     shape  batch  fused ms  fused/compile  x eager  first s  equal own  as hf"
+          "  reserved MiB")  # fmt: skip
     for row in rows:
         print(_fused_line(row))
     print("     shape  batch  eager ms  whole ms  segmented ms  x eager  first s  equal  graphs")
@@ -256,7 +261,8 @@ def _fused_line(row: dict[str, Any]) -> str:
         f"{row['shape']:>10} {row['batch']:>6} {row['fused_ms']:9.2f}"
         f" {row['fused_ms'] / compile_ms:14.2f} {row['eager_ms'] / row['fused_ms']:8.1f}"
         f" {row['fused_first_extra_s']:8.2f} {row['fused_equal_own_eager']!s:>10}"
-        f" {row['fused_tokens_as_hf']:6.2f}  replays={row['fused_replays']}"
+        f" {row['fused_tokens_as_hf']:6.2f} {row['fused_reserved_growth_bytes'] / 2**20:13.0f}"
+        f"  replays={row['fused_replays']}"
     )
 
 
