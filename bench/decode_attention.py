@@ -31,11 +31,10 @@ HBM_BYTES_PER_S = 4.25e12
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 RULES = {
     "engine": SPLIT_RULE,
-    "width-only (before)": SplitRule(target_programs=1 << 30, min_split_tokens=256, max_splits=64),
-    "target 1024": dataclasses.replace(SPLIT_RULE, target_programs=1024),
-    "target 4096": dataclasses.replace(SPLIT_RULE, target_programs=4096),
-    "min split 64": dataclasses.replace(SPLIT_RULE, min_split_tokens=64),
-    "min split 256": dataclasses.replace(SPLIT_RULE, min_split_tokens=256),
+    "256 programs a row": dataclasses.replace(SPLIT_RULE, row_programs=256),
+    "1,024 a row, splits of 128+": dataclasses.replace(
+        SPLIT_RULE, row_programs=1024, max_splits=128, min_split_tokens=128
+    ),
     "tiles of 32": dataclasses.replace(SPLIT_RULE, block_n=32),
     "tiles of 128, 8 warps": dataclasses.replace(SPLIT_RULE, block_n=128, num_warps=8),
     "3 stages": dataclasses.replace(SPLIT_RULE, num_stages=3),
@@ -61,7 +60,7 @@ def measure(batch: int, context: int, q_heads: int) -> list[dict]:
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
     rows = []
     for name, rule in RULES.items():
-        plan = rule.plan(tables.shape[1] * BLOCK_SIZE, batch, KV_HEADS)
+        plan = rule.plan(tables.shape[1] * BLOCK_SIZE, KV_HEADS)
 
         def step(rule: SplitRule = rule) -> torch.Tensor:
             return triton_decode.decode_attention(q, cache, tables, lens, 0.088, rule=rule)

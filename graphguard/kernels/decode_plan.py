@@ -2,8 +2,8 @@
 pieces a launch cuts each row's context into, and the tile and launch shape of the kernel that
 walks them. Plain Python, so the rule can be read, tested and benchmarked without Triton.
 
-The rule (SplitRule.plan) reads (block-table width, rows, KV heads) only, and the rows only
-through the power of two at or above them: see its NOTE for what that keeps deterministic.
+The rule (SplitRule.plan) reads the block-table width and the KV heads only, never the batch:
+see its NOTE for why.
 """
 
 from __future__ import annotations
@@ -31,20 +31,19 @@ class SplitRule:
 
     A context of up to `direct_tokens` slots is one split whose program writes the output
     directly: no merge launch, which costs more than a short context's split saves. Longer
-    contexts split until the launch has about `target_programs` programs (rows x KV heads x
-    splits), never into splits shorter than `min_split_tokens` (a split's partial costs a
-    write and a read of 4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V
-    bytes) nor more than `max_splits`. The width is the longest row's context rounded up to a
-    power of two of blocks (engine/shapes.py `width_bucket`), so the rows fill between half of
-    it and all of it and the splits past a row's end return at once: 1,024 programs are 512 to
-    1,024 working ones, a few waves of a 132-SM device. Measured on an H200 (bench/
-    decode_attention.py, docs/benchmarks.md), 1,024 beat 2,048 and 4,096 at one row of 8k and
-    32k and tied them at 16 rows.
+    contexts split until one row has about `row_programs` programs (KV heads x splits), never
+    into splits shorter than `min_split_tokens` (a split's partial costs a write and a read of
+    4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V bytes) nor more than
+    `max_splits`. The width is the longest row's context rounded up to a power of two of blocks
+    (engine/shapes.py `width_bucket`), so a row fills between half of it and all of it and the
+    splits past its end return at once. Measured on an H200 (bench/decode_attention.py, run 77
+    in docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that
+    also counted the rows: 50.9) and 16 rows at 98% of the bandwidth.
     """
 
-    target_programs: int = 1024
-    min_split_tokens: int = 128
-    max_splits: int = 256
+    row_programs: int = 512
+    min_split_tokens: int = 256
+    max_splits: int = 64
     direct_tokens: int = 256
     block_n: int = BLOCK_N
     num_warps: int = 4
@@ -52,28 +51,26 @@ class SplitRule:
 
     def __post_init__(self) -> None:
         tile = self.block_n
-        if tile < 16 or tile & (tile - 1) or min(self.target_programs, self.max_splits) < 1:
+        if tile < 16 or tile & (tile - 1) or min(self.row_programs, self.max_splits) < 1:
             raise ValueError(f"unusable split rule {self}")
 
-    def plan(self, ctx_tokens: int, num_rows: int, num_kv_heads: int) -> SplitPlan:
-        """The plan of a launch over `num_rows` rows, `num_kv_heads` KV heads and a block
-        table of `ctx_tokens` slots: as many splits as bring it to `target_programs`, counting
-        the rows as the power of two at or above `num_rows`, within the bounds above; each
-        split a whole number of tiles. With 8 KV heads, one row of an 8k context (a 16k-slot
-        width) gets 128 splits of 128 tokens and one of 32k (64k slots) 128 of 512; 16 rows of
-        8k get 8 splits of 2,048 tokens, 16 of 32k 8 of 8,192: few, long splits once the rows
-        fill the device themselves.
+    def plan(self, ctx_tokens: int, num_kv_heads: int) -> SplitPlan:
+        """The plan of a launch over a block table of `ctx_tokens` slots and `num_kv_heads` KV
+        heads: as many splits as give one row `row_programs` programs, within the bounds
+        above; each split a whole number of tiles. With 8 KV heads: 64 splits of 256 tokens
+        at a 16k-slot width (an 8k context), 64 of 1,024 at 64k slots.
 
-        NOTE: a function of (width, rows rounded up to a power of two, KV heads): not of the
-        device, nor of the rows' lengths, so a graph key's replay equals its eager call (both
-        see the key's padded rows), and a row gives the same bits in an unpadded eager batch
-        as in the batch bucket it pads to when the buckets are powers of two (the default
-        ones: GraphConfig.batch_buckets, and the row buckets of prefills run as rows).
+        NOTE: not a function of the batch. A batch that rides a larger bucket's graph (the
+        pad-up rule, GraphConfig.decode_pad_factor: one row on a graph of 16, three on one of
+        64) walks its real rows as their own graph would; a plan that counted the padded rows
+        gave one real row of a 16-row graph 8 splits, a tenth of the programs it needs at long
+        context. And a row computes the same bits in any batch: unpadded, in its bucket, or
+        riding another's. Not of the device either, nor of the rows' lengths, so a graph's
+        replay equals its eager call.
         """
         splits = 1
         if ctx_tokens > self.direct_tokens:
-            rows = 1 << (max(1, num_rows) - 1).bit_length()
-            by_load = self.target_programs // (rows * num_kv_heads)
+            by_load = self.row_programs // num_kv_heads
             by_width = ctx_tokens // self.min_split_tokens
             splits = max(1, min(by_load, by_width, self.max_splits))
         tile = self.block_n
@@ -85,11 +82,9 @@ class SplitRule:
 SPLIT_RULE = SplitRule()
 
 
-def plan_splits(
-    ctx_tokens: int, num_rows: int, num_kv_heads: int, rule: SplitRule = SPLIT_RULE
-) -> SplitPlan:
+def plan_splits(ctx_tokens: int, num_kv_heads: int, rule: SplitRule = SPLIT_RULE) -> SplitPlan:
     """`rule`'s plan for a launch of this shape (SplitRule.plan)."""
-    return rule.plan(ctx_tokens, num_rows, num_kv_heads)
+    return rule.plan(ctx_tokens, num_kv_heads)
 
 
 def _cdiv(a: int, b: int) -> int:

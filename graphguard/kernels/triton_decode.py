@@ -7,13 +7,11 @@ split it writes the output directly; otherwise it writes a normalized partial an
 log-sum-exp, and a second kernel merges a row's partials, a chunk of splits at a time, in split
 order.
 
-NOTE: deterministic for a given graph key: the split plan (graphguard/kernels/decode_plan.py)
-depends only on the table width, the power of two at or above the number of rows and the KV
-heads, each split's tokens are reduced in one fixed order, and the merge goes in split order.
-A graph key's eager call and its replay see the same rows (the decode path pads a batch to its
-bucket), so they are bitwise equal; and a row's output depends neither on the other rows'
-values nor on how many share its batch within one power of two (11 rows unpadded, or padded
-to their bucket of 16).
+NOTE: deterministic, and the same in any batch: the split plan (graphguard/kernels/
+decode_plan.py) depends only on the table width and the KV heads, each split's tokens are
+reduced in one fixed order, and the merge goes in split order. A graph's replay equals its
+eager call bit for bit, and a row's output depends neither on the other rows' values nor on how
+many share its batch (unpadded, padded to its bucket, or riding a larger bucket's graph).
 """
 
 from __future__ import annotations
@@ -240,7 +238,7 @@ def decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    plan = rule.plan(block_tables.shape[1] * block_size, num_seqs, num_kv_heads)
+    plan = rule.plan(block_tables.shape[1] * block_size, num_kv_heads)
     part_out = part_lse = out
     if plan.num_splits > 1:
         part_out = q.new_empty((*q.shape[:2], plan.num_splits, head_dim), dtype=torch.float32)

@@ -110,7 +110,7 @@ def test_decode_attention_matches_reference(fused, heads, lens, width):
 
 
 def test_a_rows_decode_attention_is_the_same_unpadded_and_in_its_buckets_batch(fused):
-    # 3 rows at 16k slots: counted as 4 (their bucket), not 3, when the splits are planned
+    # 3 rows at 16k slots, alone and padded: the split plan reads the width, never the batch
     heads = HEADS[1]
     q, cache, tables, seq_lens = paged_batch(heads, [15000, 3, 9000], 1024, BF16, "cuda")
     alone = fused.decode_attention(q, cache, tables, seq_lens, 0.1)
