@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.models.vision import VisionEncoder
 from graphguard.server.engine_messages import EngineRequest
-from graphguard.server.engine_process import engine_info
+from graphguard.server.engine_process import add_requests, engine_info
 
 logger = logging.getLogger("graphguard.server")
 
@@ -282,28 +282,13 @@ class AsyncEngine:
     def _add(self, command: _Add) -> None:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the client went away before the requests reached the engine
-        added: list[str] = []
         try:
-            for request in command.requests:
-                self._add_request(request)
-                added.append(request.request_id)
+            add_requests(self._engine, command.requests)
         except Exception as exc:  # noqa: BLE001 - handed back to the caller, not swallowed
-            # NOTE: no step has run since they were added, so none of them produced a token.
-            for request_id in added:
-                self._engine.abort_request(request_id)
             command.accepted.set_exception(exc)
             return
         self._streams.update((stream.request_id, stream) for stream in command.streams)
         command.accepted.set_result(None)
-
-    def _add_request(self, request: EngineRequest) -> None:
-        # Images and forks only when present, so engines without them keep working.
-        extra: dict[str, Any] = {"images": request.images} if request.images else {}
-        if request.fork_of is not None:
-            extra["fork_of"] = request.fork_of
-        self._engine.add_request(
-            request.request_id, request.prompt_token_ids, request.params, **extra
-        )
 
     def _abort(self, request_id: str | None) -> None:
         ids = list(self._streams) if request_id is None else [request_id]

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -35,6 +36,27 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.tensor_parallel_size == 1:
         return LLMEngine(config)
     return start_ranks(config)[0]
+
+
+def add_requests(engine: LLMEngine, requests: Sequence[m.EngineRequest]) -> None:
+    """Add every one of `requests` to `engine`, or none: when one fails, those added before it
+    are aborted and the error raised. (No step has run since they were added, so none of them
+    produced a token.) Images and forks are passed only when present, so engines without them
+    keep working."""
+    added: list[str] = []
+    try:
+        for request in requests:
+            extra: dict[str, Any] = {"images": request.images} if request.images else {}
+            if request.fork_of is not None:
+                extra["fork_of"] = request.fork_of
+            engine.add_request(
+                request.request_id, request.prompt_token_ids, request.params, **extra
+            )
+            added.append(request.request_id)
+    except Exception:
+        for request_id in added:
+            engine.abort_request(request_id)
+        raise
 
 
 def engine_info(engine: LLMEngine, pid: int) -> m.EngineInfo:
@@ -190,29 +212,15 @@ class EngineLoop:
         return True
 
     def _add(self, command: m.AddRequests) -> None:
-        added: list[str] = []
         try:
-            for request in command.requests:
-                self._add_request(request)
-                added.append(request.request_id)
+            add_requests(self._engine, command.requests)
         except Exception as exc:  # noqa: BLE001 - handed back to the server, not swallowed
-            # NOTE: no step has run since they were added, so none of them produced a token.
-            for request_id in added:
-                self._engine.abort_request(request_id)
             param = getattr(exc, "param", None)
             is_invalid = isinstance(exc, ValueError)
             self._send(m.Admitted(command.ticket, str(exc), is_invalid, param))
             return
-        self._live.update(added)
+        self._live.update(request.request_id for request in command.requests)
         self._send(m.Admitted(command.ticket))
-
-    def _add_request(self, request: m.EngineRequest) -> None:
-        extra: dict[str, Any] = {"images": request.images} if request.images else {}
-        if request.fork_of is not None:
-            extra["fork_of"] = request.fork_of
-        self._engine.add_request(
-            request.request_id, request.prompt_token_ids, request.params, **extra
-        )
 
     def _abort(self, request_ids: list[str] | None) -> None:
         # The server has ended these streams already; what is left is to free their KV.
