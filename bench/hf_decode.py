@@ -26,7 +26,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,23 +86,17 @@ def measure(model: Any, batch: int, new: int) -> dict[str, Any]:
     prefill = _prefill_s(eager, ids)
     row: dict[str, Any] = dict(batch=batch, eager_ms=(eager_s - prefill) / (new - 1) * 1e3)
 
-    before = torch.cuda.memory_reserved()
-    graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET,
-                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
-    first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
-    again, graphed_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
-    stats = graphed.runner.stats()
+    run = _graphed_twice(model, ids, new)
     row.update(
-        graphguard_ms=(graphed_s - prefill) / (new - 1) * 1e3,
-        graphguard_first_extra_s=first_s - graphed_s,
-        replays=stats["replays"],
-        fallbacks=stats["fallbacks"],
-        graphguard_equal=bool(torch.equal(first, reference) and torch.equal(again, reference)),
-        reserved_growth_bytes=torch.cuda.memory_reserved() - before,
-        graph_bytes=stats["resident_bytes"],
+        graphguard_ms=(run.seconds - prefill) / (new - 1) * 1e3,
+        graphguard_first_extra_s=run.first_s - run.seconds,
+        replays=run.stats["replays"],
+        fallbacks=run.stats["fallbacks"],
+        graphguard_equal=run.equal(reference),
+        reserved_growth_bytes=run.growth_bytes,
+        graph_bytes=run.stats["resident_bytes"],
         budget_bytes=BUDGET,
     )
-    graphed.close()
     row.update(_fused(model, ids, new, reference, prefill))
     row.update(_segmented(model, ids, new, reference, prefill))
     row.update(_compiled(model, ids, new, reference, prefill))
@@ -121,23 +115,17 @@ def _fused(
                             capture=gg.CaptureConfig(enabled=False))  # fmt: skip
     own = eager.generate(ids, max_new_tokens=new)
     eager.close()
-    before = torch.cuda.memory_reserved()
-    graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET, kernels="fused",
-                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
-    first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
-    again, seconds = timed(lambda: graphed.generate(ids, max_new_tokens=new))
-    stats = graphed.runner.stats()
-    growth = torch.cuda.memory_reserved() - before
-    graphed.close()
+    run = _graphed_twice(model, ids, new, kernels="fused")
     generated = slice(PROMPT, None)
+    as_hf = (run.again[:, generated] == reference[:, generated]).float().mean()
     return dict(
-        fused_ms=(seconds - prefill) / (new - 1) * 1e3,
-        fused_first_extra_s=first_s - seconds,
-        fused_replays=stats["replays"],
-        fused_equal_own_eager=bool(torch.equal(first, own) and torch.equal(again, own)),
-        fused_tokens_as_hf=float((again[:, generated] == reference[:, generated]).float().mean()),
-        fused_reserved_growth_bytes=growth,
-        fused_graph_bytes=stats["resident_bytes"],
+        fused_ms=(run.seconds - prefill) / (new - 1) * 1e3,
+        fused_first_extra_s=run.first_s - run.seconds,
+        fused_replays=run.stats["replays"],
+        fused_equal_own_eager=run.equal(own),
+        fused_tokens_as_hf=float(as_hf),
+        fused_reserved_growth_bytes=run.growth_bytes,
+        fused_graph_bytes=run.stats["resident_bytes"],
     )
 
 
@@ -146,26 +134,47 @@ def _segmented(
 ) -> dict[str, Any]:
     """graphguard's segment graphs with eager attention holes: ms per step, replays, graphs,
     and whether the tokens equal eager's."""
+    run = _graphed_twice(model, ids, new, mode="segmented")
+    return dict(
+        segmented_ms=(run.seconds - prefill) / (new - 1) * 1e3,
+        segmented_first_extra_s=run.first_s - run.seconds,
+        segmented_replays=run.stats["replays"],
+        segmented_fallbacks=run.stats["fallbacks"],
+        segmented_graphs=run.stats["graphs"],
+        segmented_bytes=run.stats["resident_bytes"],
+        segmented_equal=run.equal(reference),
+    )
+
+
+class Run(NamedTuple):
+    """Two timed generate calls of one GraphedCausalLM: the first captures, the second
+    replays; its runner's stats (the segments' in segmented mode) and reserved growth."""
+
+    first: torch.Tensor
+    again: torch.Tensor
+    first_s: float
+    seconds: float
+    stats: dict[str, Any]
+    growth_bytes: int
+
+    def equal(self, expected: torch.Tensor) -> bool:
+        return bool(torch.equal(self.first, expected) and torch.equal(self.again, expected))
+
+
+def _graphed_twice(model: Any, ids: torch.Tensor, new: int, **options: Any) -> Run:
     import graphguard as gg
     from graphguard.hf import GraphedCausalLM
 
+    before = torch.cuda.memory_reserved()
     graphed = GraphedCausalLM(model, max_cache_len=PROMPT + new, max_bytes=BUDGET,
-                              admission=gg.AdmissionConfig(min_hits=1),
-                              mode="segmented")  # fmt: skip
+                              admission=gg.AdmissionConfig(min_hits=1), **options)  # fmt: skip
     first, first_s = timed(lambda: graphed.generate(ids, max_new_tokens=new))
     again, seconds = timed(lambda: graphed.generate(ids, max_new_tokens=new))
-    assert graphed.segments is not None
-    stats = graphed.segments.runner.stats()
+    runner = graphed.runner if graphed.segments is None else graphed.segments.runner
+    run = Run(first, again, first_s, seconds, runner.stats(),
+              torch.cuda.memory_reserved() - before)  # fmt: skip
     graphed.close()
-    return dict(
-        segmented_ms=(seconds - prefill) / (new - 1) * 1e3,
-        segmented_first_extra_s=first_s - seconds,
-        segmented_replays=stats["replays"],
-        segmented_fallbacks=stats["fallbacks"],
-        segmented_graphs=stats["graphs"],
-        segmented_bytes=stats["resident_bytes"],
-        segmented_equal=bool(torch.equal(first, reference) and torch.equal(again, reference)),
-    )
+    return run
 
 
 def _prefill_s(runner: Any, ids: torch.Tensor) -> float:

@@ -31,6 +31,7 @@ from torch import Tensor
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.backends import Backend
 from graphguard.core.graph_runner import GraphRunner
+from graphguard.core.keys import Buckets
 from graphguard.core.metrics import GraphMetrics
 from graphguard.core.options import CaptureConfig
 from graphguard.core.verify import VerifyConfig
@@ -74,17 +75,13 @@ class GraphedCausalLM:
         mode: str = "whole",
         batch_buckets: Sequence[int] = (),
     ):
-        from transformers import StaticCache
-
         self.model = model
         self.fusion = _fusion(model, kernels)
         self.max_cache_len = max_cache_len
-        self.batch_buckets = tuple(sorted(batch_buckets))
-        if any(rows < 1 for rows in self.batch_buckets):
-            raise ValueError(f"batch buckets must be positive, got {self.batch_buckets}")
+        self.batch_buckets = Buckets(batch=batch_buckets) if batch_buckets else None
         # One StaticCache per batch size (a cache's rows are fixed at its first write); the
-        # current call's is `self.cache`.
-        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        # current call's is `self.cache`, the first batch size's the one made here.
+        self.cache = self._new_cache()
         self.caches: dict[int, Any] = {}
         capture = capture or CaptureConfig()
         # NOTE: every graph keeps the weights and the caches it reads alive
@@ -174,7 +171,7 @@ class GraphedCausalLM:
         """The prompt rows padded up to the smallest batch bucket that holds them (repeats of
         the last row, dropped from the output), or as they are past the largest bucket."""
         batch = input_ids.shape[0]
-        rows = next((b for b in self.batch_buckets if b >= batch), batch)
+        rows = (self.batch_buckets and self.batch_buckets.bucket_for(batch)) or batch
         if rows == batch:
             return input_ids
         return torch.cat([input_ids, input_ids[-1:].expand(rows - batch, -1)])
@@ -182,14 +179,14 @@ class GraphedCausalLM:
     def _cache_of(self, rows: int) -> Any:
         """The StaticCache of `rows` rows: the first batch size takes the cache made at
         construction, each new one a new cache (its graphs read that cache's tensors)."""
+        if rows not in self.caches:
+            self.caches[rows] = self._new_cache() if self.caches else self.cache
+        return self.caches[rows]
+
+    def _new_cache(self) -> Any:
         from transformers import StaticCache
 
-        if rows not in self.caches:
-            spare = self.cache if not self.caches else None
-            self.caches[rows] = spare or StaticCache(
-                config=self.model.config, max_cache_len=self.max_cache_len
-            )
-        return self.caches[rows]
+        return StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
 
     def close(self) -> None:
         self.runner.close()
