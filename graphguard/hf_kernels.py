@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from graphguard.kernels.reference import QKNorm
+
 # Relative error of a fused module against its own forward on random rows that a swap may have:
 # a few bfloat16 roundings (2**-8 each), far under what a different formula gives.
 MAX_REL_ERROR = 2e-2
@@ -39,18 +41,21 @@ class FusedRMSNorm(nn.Module):
     original: Any  # the transformers module: its weight, and its forward as the fallback
 
     def __init__(self, original: nn.Module, eps: float):
+        # NOTE: the kernels are imported when a module is swapped, not by this file: Triton
+        # is not there on every machine that imports graphguard.hf
+        from graphguard.kernels.triton_norm import rms_norm
+
         super().__init__()
         self.original = original
         self.eps = eps
+        self.rms_norm = rms_norm
 
     def forward(self, x: Tensor) -> Tensor:
-        from graphguard.kernels import triton_norm
-
         weight = self.original.weight
         if x.dtype != weight.dtype or x.shape[-1] != weight.shape[0]:
             return self.original(x)
         rows = x.reshape(-1, x.shape[-1])
-        return triton_norm.rms_norm(rows, weight, self.eps).view(x.shape)
+        return self.rms_norm(rows, weight, self.eps).view(x.shape)
 
 
 class FusedSwiGLU(nn.Module):
@@ -60,16 +65,17 @@ class FusedSwiGLU(nn.Module):
     original: Any  # the transformers MLP: gate_proj, up_proj, down_proj
 
     def __init__(self, original: nn.Module):
+        from graphguard.kernels.triton_mlp import silu_mul_pair
+
         super().__init__()
         self.original = original
+        self.silu_mul_pair = silu_mul_pair
 
     def forward(self, x: Tensor) -> Tensor:
-        from graphguard.kernels import triton_mlp
-
         mlp = self.original
         gate, up = mlp.gate_proj(x), mlp.up_proj(x)
         width = gate.shape[-1]
-        both = triton_mlp.silu_mul_pair(gate.reshape(-1, width), up.reshape(-1, width))
+        both = self.silu_mul_pair(gate.reshape(-1, width), up.reshape(-1, width))
         return mlp.down_proj(both.view(gate.shape))
 
 
@@ -81,10 +87,16 @@ class FusedAttention(nn.Module):
 
     original: Any  # the transformers attention: projections, norms, config, layer_idx
 
-    def __init__(self, original: nn.Module, qk_norm: tuple[Tensor, Tensor, float] | None):
+    def __init__(self, original: nn.Module, qk_norm: QKNorm | None):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from graphguard.kernels.triton_rope import rope_pair
+
         super().__init__()
         self.original = original
         self.qk_norm = qk_norm  # the norms' weights (read in place) and eps
+        self.rope_pair = rope_pair
+        self.attention_functions = ALL_ATTENTION_FUNCTIONS  # by attn_implementation, at call
 
     def forward(
         self,
@@ -94,19 +106,13 @@ class FusedAttention(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[Tensor, Tensor | None]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        from graphguard.kernels.reference import QKNorm
-        from graphguard.kernels.triton_rope import rope_pair
-
         attn = self.original
         batch, length = hidden_states.shape[:2]
         heads = (batch * length, -1, attn.head_dim)
         cos, sin = position_embeddings
-        norm = QKNorm(*self.qk_norm) if self.qk_norm is not None else None
-        q, k = rope_pair(
+        q, k = self.rope_pair(
             attn.q_proj(hidden_states).view(heads), attn.k_proj(hidden_states).view(heads),
-            cos, sin, norm,
+            cos, sin, self.qk_norm,
         )  # fmt: skip
         q, k, v = (
             x.view(batch, length, -1, attn.head_dim).transpose(1, 2)
@@ -116,7 +122,7 @@ class FusedAttention(nn.Module):
             k, v = past_key_values.update(k, v, attn.layer_idx)
         if hasattr(attn, "sliding_window"):
             kwargs["sliding_window"] = attn.sliding_window
-        attend = ALL_ATTENTION_FUNCTIONS[attn.config._attn_implementation]
+        attend = self.attention_functions[attn.config._attn_implementation]
         out, weights = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                               **kwargs)  # fmt: skip
         return attn.o_proj(out.reshape(batch, length, -1).contiguous()), weights
@@ -218,7 +224,7 @@ def _fused_attention(module: Any) -> nn.Module | None:
     }
     if len(eps) != 1:
         return None
-    return FusedAttention(module, (q_norm.weight, k_norm.weight, float(eps.pop())))
+    return FusedAttention(module, QKNorm(q_norm.weight, k_norm.weight, float(eps.pop())))
 
 
 @torch.no_grad()
