@@ -7,12 +7,16 @@ several runs side by side).
     python bench/serve_load.py                       # starts `graphguard serve` (embedded model)
     python bench/serve_load.py --url http://127.0.0.1:8000 --num-requests 200 --concurrency 32
     python bench/serve_load.py --clients 4 --concurrency 16   # 4 processes of 16 streams each
+    python bench/serve_load.py --offline --model-path M ...   # served / offline, side by side
 
 Requests use `ignore_eos` so every one generates exactly --max-tokens tokens. With `--clients N`
 the load comes from N client processes, each with --concurrency streams, so that one client's
 interpreter does not cap the load; the report says which side was the bound (bench/load_bounds.py:
 client CPU against wall, the server's and the engine process's CPU, and the engine's step
-interval against the gap between a stream's tokens).
+interval against the gap between a stream's tokens). With `--offline`, after the server has
+stopped, the same requests (prompts, --max-tokens, --max-num-seqs, graph flags) go through the
+offline `LLM` API in this process, once untimed and once timed, and the report gives
+served / offline output tokens per second.
 """
 
 from __future__ import annotations
@@ -244,6 +248,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--start-timeout", type=float, default=900, help="seconds to wait for the server"
     )
+    parser.add_argument(
+        "--offline", action="store_true", help="also the same requests through `LLM`, here"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/serve_load.json"))
     return parser.parse_args(argv)
 
@@ -272,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             runs, wall_s, cpu_before, cpu_after, counts_before, counts_after, tpot_p50
         )
         graphs = httpx.get(f"{url}/v1/graphs").json()
+    if args.offline:
+        offline = offline_rate(args)
+        summary["offline_output_tokens_per_s"] = offline
+        summary["served_over_offline"] = round(summary["output_tokens_per_s"] / offline, 3)
     if graphs.get("enabled", True):
         # What the graphs did while the load ran: captures, hit rate, fallbacks by reason.
         summary.update(graphs_during_load("decode", graphs_before, graphs))
@@ -308,6 +319,33 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"model": model, "server_start_s": start_s, **summary}, indent=2))
     print(f"wrote {args.out}")
     return 0
+
+
+def offline_rate(args: argparse.Namespace) -> float:
+    """Output tokens/s of the load's requests through the offline `LLM` API in this process, the
+    engine configured as the local server was; the second of two runs (the first warms it)."""
+    from graphguard.engine.llm import LLM
+    from graphguard.engine.tokens.sampling import SamplingParams
+
+    llm = LLM(
+        args.model_path,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        warmup_graphs=args.warmup_graphs,
+        **({"kernels": args.kernels} if args.kernels else {}),
+    )
+    try:
+        prompts = [prompt_of(i, args.prompt_spread) for i in range(args.num_requests)]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - start
+    finally:
+        llm.engine.shutdown()
+    return round(sum(len(o.token_ids) for o in outputs) / wall_s, 1)
 
 
 def graphs_during_load(name: str, before: dict, after: dict) -> dict[str, Any]:
