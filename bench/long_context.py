@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.decode import NumberTokenizer  # noqa: E402
 from bench.shared_prefix import SharedLoad, random_prompts, shared_prefix  # noqa: E402
 from bench.timing import out_dir, sync, write_json  # noqa: E402
-from graphguard.engine.config import PRESETS, EngineConfig, ModelConfig  # noqa: E402
+from graphguard.engine.config import PRESETS, STEP_TOKENS, EngineConfig, ModelConfig  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
 from graphguard.engine.models import build_model  # noqa: E402
 from graphguard.engine.models.loader import LoadedModel  # noqa: E402
@@ -162,7 +162,8 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
     runnable = []
     for batch in args.batch_sizes:
         row = dict(shape=name, prompt_tokens=length, batch=batch)
-        extra = args.decode_tokens + WARM_STEPS + -(-batch * length // args.batched_tokens) + 32
+        chunk = args.batched_tokens or STEP_TOKENS  # the smallest a default budget can be
+        extra = args.decode_tokens + WARM_STEPS + -(-batch * length // chunk) + 32
         need = pool_blocks(batch, length, extra) * BLOCK_SIZE * kv_token
         if f"{name}:{length}:{batch}" in args.skip:
             row["skipped"] = "--skip"
@@ -180,7 +181,8 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
     llm = LLM(
         loaded, max_model_len=length + extra + BLOCK_SIZE, max_num_seqs=largest,
         num_kv_blocks=pool_blocks(largest, length, extra), batch_buckets=tuple({1, largest}),
-        max_num_batched_tokens=max(args.batched_tokens, largest), enforce_eager=args.eager,
+        max_num_batched_tokens=args.batched_tokens and max(args.batched_tokens, largest),
+        enforce_eager=args.eager,
         prefix_caching=True,
     )  # fmt: skip
     try:
@@ -189,6 +191,7 @@ def length_rows(loaded: LoadedModel, length: int, args: argparse.Namespace) -> l
         for row in rows:
             if "skipped" not in row:
                 row.update(measure(llm, row, weights, kv_token, args))
+                row["step_tokens"] = llm.engine.step_tokens
                 print(f"  {describe(row)}", flush=True)
     finally:
         llm.shutdown()
@@ -275,8 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batched-tokens",
         type=int,
-        default=4096,
-        help="EngineConfig.max_num_batched_tokens (the prefill chunk)",
+        default=0,
+        help="EngineConfig.max_num_batched_tokens (the prefill chunk); 0: the engine's default",
     )
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--no-shared", action="store_true", help="no shared-prefix load")

@@ -32,7 +32,7 @@ class SharedLoad:
     prefix: int = 4096  # tokens of the shared document
     question: int = 32  # tokens of each client's question
     answer_tokens: int = 16
-    batched_tokens: int = 4096  # EngineConfig.max_num_batched_tokens
+    batched_tokens: int = 0  # EngineConfig.max_num_batched_tokens (0: the engine's default)
     eager: bool = False
 
 

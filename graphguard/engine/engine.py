@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphguard.core.export import model_identity
-from graphguard.engine.config import EngineConfig, ModelConfig
+from graphguard.engine.config import EngineConfig, ModelConfig, step_token_budget
 from graphguard.engine.graphs.component import EngineGraphs, GraphCapability, build_graphs
 from graphguard.engine.intake import RequestLimits, check_request
 from graphguard.engine.models.forward import EagerForward
@@ -86,6 +86,13 @@ class LLMEngine:
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        # tokens one step may run (config.max_num_batched_tokens, or by the device's memory)
+        memory = (
+            torch.cuda.get_device_properties(self.device).total_memory
+            if self.device.type == "cuda"
+            else None
+        )
+        self.step_tokens = step_token_budget(config, memory)
         self._build_model_path()
         # decode steps launched before the host reads the last one's tokens (overlap.py)
         self.overlap = resolve_overlap(config.overlap_decode, self.device, link is not None)
@@ -118,7 +125,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=self.step_tokens,
             prefix_cache=PrefixCache(self.kv) if config.prefix_caching else None,
         )
         log.info("graphguard prefix caching %s", "on" if config.prefix_caching else "off")
@@ -145,7 +152,7 @@ class LLMEngine:
                 self.loaded.name, self.model_config, dtype=self.dtype, block_size=config.block_size
             ),
             warmup_keys=warmup_shapes(config, self.max_model_len),
-            prefill_tokens=warmup_prefill_tokens(config.max_num_batched_tokens),
+            prefill_tokens=warmup_prefill_tokens(self.step_tokens),
             role=self.link.role if self.link is not None else None,
         )
 

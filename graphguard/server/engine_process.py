@@ -93,7 +93,8 @@ def describe_engine(engine: LLMEngine) -> list[str]:
         graph_line = f"decode graphs: on ({graphs.enabled_reason})"
     return [
         f"device: {engine.device}, dtype: {dtype}, max model len: {engine.max_model_len}",
-        f"KV cache: {kv}, max num seqs: {config.max_num_seqs}",
+        f"KV cache: {kv}, max num seqs: {config.max_num_seqs}, "
+        f"step budget: {engine.step_tokens} tokens",
         f"kernels: {engine.kernels.describe()}",
         graph_line,
     ]

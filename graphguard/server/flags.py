@@ -109,8 +109,8 @@ FLAGS: dict[str, Flag] = {
     "max_num_batched_tokens": Flag(
         "engine",
         "tokens one step may run, decodes and prefills together; a longer prompt is "
-        "prefilled in chunks over several steps, so this bounds the time of a step (default: "
-        "the larger of {default} and --max-num-seqs)",
+        "prefilled in chunks over several steps, so this bounds the time of a step (default "
+        "0: 8192 on a GPU of 70 GiB or more, else 4096, and at least --max-num-seqs)",
         type=int,
         metavar="N",
     ),
@@ -328,7 +328,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, flag: Flag) -> None:
-    default = None if name == "max_num_batched_tokens" else default_of(name)
+    default = default_of(name)
     shown = flag.show(default_of(name)) if default_of(name) is not None else "none"
     spelled = ("--no-" if flag.no_ else "--") + name.replace("_", "-")
     options: dict[str, Any] = dict(dest=name, default=default, help=flag.help.format(default=shown))
@@ -344,9 +344,6 @@ def configs_from_args(args: argparse.Namespace) -> ServerConfig:
     values = {name: getattr(args, name) for name in FLAGS}
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
-    if values["max_num_batched_tokens"] is None:  # at least one decode token per sequence
-        default = _ENGINE.max_num_batched_tokens
-        values["max_num_batched_tokens"] = max(default, values["max_num_seqs"])
     server_fields = {f.name for f in fields(ServerConfig)}
     server = {k: v for k, v in values.items() if k in server_fields}
     engine = engine_config(**{k: v for k, v in values.items() if k not in server_fields})

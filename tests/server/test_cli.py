@@ -145,9 +145,9 @@ def test_a_long_context_keeps_the_step_token_budget():
     # Prompts longer than a step's budget are prefilled in chunks.
     config = config_from_args(build_parser().parse_args(["--max-model-len", "8192"]))
     assert config.engine.max_model_len == 8192
-    assert config.engine.max_num_batched_tokens == 4096
-    many = config_from_args(build_parser().parse_args(["--max-num-seqs", "8192"]))
-    assert many.engine.max_num_batched_tokens == 8192
+    assert config.engine.max_num_batched_tokens == 0  # the engine's, by its device
+    named = config_from_args(build_parser().parse_args(["--max-num-batched-tokens", "2048"]))
+    assert named.engine.max_num_batched_tokens == 2048
 
 
 def test_the_api_key_comes_from_the_environment_unless_the_flag_gives_one(monkeypatch):

@@ -11,7 +11,12 @@ import threading
 import pytest
 import torch
 
-from graphguard.engine.config import EngineConfig
+from graphguard.engine.config import (
+    STEP_TOKENS,
+    STEP_TOKENS_LARGE_GPU,
+    EngineConfig,
+    step_token_budget,
+)
 from graphguard.engine.engine import LLMEngine, resolve_device, resolve_dtype
 from graphguard.engine.models import build_model
 from graphguard.engine.models.loader import LoadedModel
@@ -90,6 +95,30 @@ def test_config_refuses_a_token_budget_below_max_num_seqs() -> None:
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
     # A budget below max_model_len is fine: long prompts are prefilled in chunks.
     EngineConfig(max_model_len=4096, max_num_batched_tokens=512)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=-1)
+
+
+def test_the_default_step_budget_follows_the_device_memory() -> None:
+    default = EngineConfig()
+    assert default.max_num_batched_tokens == 0  # left to the device
+    assert step_token_budget(default, None) == STEP_TOKENS  # a CPU
+    assert step_token_budget(default, 40 << 30) == STEP_TOKENS  # a smaller GPU
+    assert step_token_budget(default, 141 * 10**9) == STEP_TOKENS_LARGE_GPU  # an H200
+    assert STEP_TOKENS_LARGE_GPU > STEP_TOKENS
+    # every running sequence's decode token still fits a step
+    assert step_token_budget(EngineConfig(max_num_seqs=8192), None) == 8192
+    # a budget the config names is the budget, on any device
+    assert step_token_budget(EngineConfig(max_num_batched_tokens=512), 141 * 10**9) == 512
+
+
+def test_the_engine_runs_the_step_budget_it_resolved(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, max_num_batched_tokens=0)
+    try:
+        assert engine.step_tokens == STEP_TOKENS  # a CPU's
+        assert engine.scheduler.max_num_batched_tokens == STEP_TOKENS
+    finally:
+        engine.shutdown()
 
 
 def test_step_waits_for_the_lifecycle_lock(engine: LLMEngine) -> None:
