@@ -17,9 +17,22 @@ from graphguard.engine.models.shard import shard_plan
 from graphguard.engine.tokens.sampling import SamplingParams
 from tests.parallel_cases import NUM_TOKENS, PROMPT, run_leader
 from tests.tiny import tiny_config
-from tests.unit.engine.fixtures_engine import make_engine, run_to_completion
+from tests.unit.engine.fixtures_engine import (  # noqa: F401
+    make_engine,
+    one_torch_thread,
+    run_to_completion,
+)
 
 SCENARIO_TIMEOUT_S = 120
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the single-process engine's steps
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start each rank on one intra-op thread (each spawned process reads the variable when it
+    imports torch). Two ranks of two spinning threads each on a 2-core machine made a
+    scenario's steps about 4x slower (fixtures_engine.one_torch_thread says why)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def run_scenario(scenario: str, env: dict[str, str] | None = None) -> dict[str, Any]:
