@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from torch import Tensor
 
 from graphguard.engine.tokens.sampling import SamplingParams, fork_seed
@@ -278,4 +278,6 @@ async def _generate(
         headers = {"Cache-Control": "no-cache", "X-Request-Id": fmt.request_id}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     outputs = await collect(ctx, http_request, choices)
-    return JSONResponse(fmt.response(outputs, usage(choices)).model_dump())
+    # pydantic-core's serializer, as the stream's events are written
+    body_json = fmt.response(outputs, usage(choices)).model_dump_json()
+    return Response(body_json, media_type="application/json")
