@@ -4,6 +4,7 @@ or infinities), integer fields that take `2.0` as 2, and the text and "off value
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any, Self
 
 from pydantic import (
@@ -13,6 +14,8 @@ from pydantic import (
     Field,
     ModelWrapValidatorHandler,
     StrictInt,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -53,6 +56,20 @@ def asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
         value = int(value)
     # NOTE: compare types too: in Python 0 == False and 1 == True (best_of=True is not 1).
     return value is None or any(type(value) is type(off) and value == off for off in off_values)
+
+
+def refuse_unless_off(off_values: Mapping[str, tuple[Any, ...]]) -> Any:
+    """A field validator for a request model's class body over the fields of `off_values`:
+    each is accepted unset or at one of its off values (which clients often send) and refused
+    otherwise, naming the field."""
+
+    def refuse(cls: type, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name or ""
+        if not asks_for_nothing(value, off_values[name]):
+            raise ValueError(f"{name} is not supported by this server")
+        return value
+
+    return field_validator(*off_values, check_fields=False)(classmethod(refuse))
 
 
 def valid_unicode(text: str) -> str:

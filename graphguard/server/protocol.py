@@ -45,7 +45,7 @@ from graphguard.server.fields import (
     WHOLE_NUMBER,
     RequestBody,
     TokenId,
-    asks_for_nothing,
+    refuse_unless_off,
     valid_texts,
     valid_unicode,
 )
@@ -162,13 +162,7 @@ class _GenerationRequest(RequestBody):
     response_format: ResponseFormatBody | None = None
     user: str | None = None  # OpenAI's end-user id: taken, as vLLM takes it, and not used
 
-    @field_validator(*UNSUPPORTED_FIELDS, check_fields=False)
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        name = info.field_name or ""
-        if not asks_for_nothing(value, UNSUPPORTED_FIELDS[name]):
-            raise ValueError(f"{name} is not supported by this server")
-        return value
+    _refuse_unsupported = refuse_unless_off(UNSUPPORTED_FIELDS)
 
     @field_validator("model", "stop")
     @classmethod

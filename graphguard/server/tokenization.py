@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, StrictBool, field_validator, model_validator
 from pydantic.json_schema import JsonDict
 
 from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import responses as r
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
-from graphguard.server.fields import RequestBody, TokenId, asks_for_nothing, valid_unicode
+from graphguard.server.fields import RequestBody, TokenId, refuse_unless_off, valid_unicode
 from graphguard.server.formatting import token_name
 from graphguard.server.images import ChatRendering, chat_prompt
 from graphguard.server.protocol import ChatMessage
@@ -58,13 +58,7 @@ class TokenizeRequest(RequestBody):
     chat_template_kwargs: Any = None
     tools: Any = None
 
-    @field_validator(*UNSUPPORTED_TOKENIZE_FIELDS)
-    @classmethod
-    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        name = info.field_name or ""
-        if not asks_for_nothing(value, UNSUPPORTED_TOKENIZE_FIELDS[name]):
-            raise ValueError(f"{name} is not supported by this server")
-        return value
+    _refuse_unsupported = refuse_unless_off(UNSUPPORTED_TOKENIZE_FIELDS)
 
     @field_validator("model", "prompt")
     @classmethod
