@@ -86,6 +86,25 @@ def test_tokenize_needs_exactly_one_of_prompt_and_messages(server: RunningServer
         assert "prompt" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("field", "off", "on"),
+    [
+        ("continue_final_message", False, True),
+        ("chat_template", None, "{{ messages }}"),
+        ("chat_template_kwargs", {}, {"enable_thinking": True}),
+        ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
+def test_tokenize_takes_vllms_template_fields_only_at_their_off_values(
+    server: RunningServer, field: str, off: Any, on: Any
+) -> None:
+    expected = _tokens(server, {"messages": QUESTION})
+    assert _tokens(server, {"messages": QUESTION, field: off}) == expected
+    response = _post(server, "/tokenize", {"messages": QUESTION, field: on})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 def test_tokenize_with_another_model_is_a_404(server: RunningServer) -> None:
     response = _post(server, "/tokenize", {"prompt": "a", "model": "gpt-17"})
     assert response.status_code == 404
