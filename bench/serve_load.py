@@ -52,6 +52,7 @@ from bench.load_bounds import (  # noqa: E402
     engine_counts,
     listener_pid,
 )
+from bench.sse import StreamReading  # noqa: E402
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = (
@@ -98,19 +99,12 @@ async def one_request(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    first = last = None
-    num_tokens = 0
+    reading = StreamReading()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                last = time.perf_counter()
-                first = first or last
+            reading.feed(line)
+    first, last, num_tokens = reading.first_text_s, reading.last_text_s, reading.num_tokens
     assert first is not None and last is not None, "the stream produced no text"
     tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
     return RequestResult(start - load_start, first - start, tpot, last - start, num_tokens)

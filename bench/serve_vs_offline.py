@@ -18,7 +18,6 @@ runs under the same load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -35,6 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sse import StreamReading  # noqa: E402
 from bench.timing import write_json  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
 from graphguard.engine.models.loader import load_model  # noqa: E402
@@ -103,18 +103,13 @@ def stream_once(client: httpx.Client) -> float:
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    last, num_tokens = start, 0
+    reading = StreamReading()
     with client.stream("POST", "/v1/completions", json=body) as response:
         for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                last = time.perf_counter()
-    assert num_tokens == NEW_TOKENS, num_tokens
-    return last - start
+            reading.feed(line)
+    assert reading.num_tokens == NEW_TOKENS, reading.num_tokens
+    assert reading.last_text_s is not None, "the stream produced no text"
+    return reading.last_text_s - start
 
 
 def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
