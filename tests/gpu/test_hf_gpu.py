@@ -14,6 +14,7 @@ import graphguard as gg  # noqa: E402
 import graphguard.core.single_graphs as single_graphs  # noqa: E402
 from graphguard.core.verify import ParityError  # noqa: E402
 from graphguard.hf import GraphedCausalLM  # noqa: E402
+from tests.hf_models import tiny_causal_lm  # noqa: E402
 
 EAGER_FIRST = gg.AdmissionConfig(min_hits=1)
 SHAPE = dict(
@@ -29,17 +30,7 @@ SHAPE = dict(
 
 
 def tiny(family: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config_class, model_class = (
-        (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
-    )
-    with torch.device("cuda"):
-        model = model_class(config_class(**SHAPE))
-    model = model.to(dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_causal_lm(family, SHAPE, device="cuda", dtype=torch.bfloat16)
 
 
 def prompt(rows: int) -> torch.Tensor:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import graphguard as gg
 import graphguard.core.single_graphs as single_graphs
 from graphguard.core.verify import ParityError
 from graphguard.hf import GraphedCausalLM
+from tests.hf_models import tiny_causal_lm
 
 EAGER_FIRST = gg.AdmissionConfig(min_hits=1)
 SHAPE = dict(
@@ -21,18 +21,13 @@ SHAPE = dict(
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
+    head_dim=16,
     max_position_embeddings=256,
 )
 
 
 def tiny(family: str):
-    torch.manual_seed(0)
-    if family == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
-    model.generation_config.eos_token_id = None  # every row generates all its tokens
-    return model.eval()
+    return tiny_causal_lm(family, SHAPE)
 
 
 def prompt(rows: int) -> torch.Tensor:

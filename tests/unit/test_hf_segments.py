@@ -135,9 +135,7 @@ def test_a_peft_adapter_switch_keys_the_segment_graphs():
 
 
 def test_segmented_mode_refuses_a_sliding_window_cache():
-    config = Qwen3Config(
-        **SHAPE, head_dim=16, use_sliding_window=True, sliding_window=16, max_window_layers=0
-    )
+    config = Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     model = Qwen3ForCausalLM(config).eval()
     with pytest.raises(ValueError, match="full-attention"):
         segmented(model)
