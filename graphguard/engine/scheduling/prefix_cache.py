@@ -7,6 +7,11 @@ prefill chunk completes them, and when a sequence lets its blocks go (finished, 
 preempted: a preempted sequence finds its own prompt cached when it is admitted again). A
 block no one holds stays cached until the pool needs it, least recently freed first.
 
+A prefix being computed is not computed again: a waiting request whose next blocks a running
+prefill is writing (two requests over one document, arrived together) waits for them and
+reuses them once written, when they are at least MIN_WAIT_TOKENS; a shorter run is computed
+again, as waiting costs the request at least one step.
+
 Not cached: a sequence with images (its KV depends on more than its tokens), and no reuse for
 one that asks for prompt logprobs (every prompt token must be scored). New weights clear the
 cache (`LLMEngine.reload_weights`). At least the last prompt token is always computed: its
@@ -15,8 +20,13 @@ logits start the answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes
 from graphguard.engine.scheduling.sequence import Sequence
+
+# The shortest run of blocks in flight that a waiting request waits for rather than computes
+MIN_WAIT_TOKENS = 256
 
 
 class PrefixCache:
@@ -30,10 +40,31 @@ class PrefixCache:
 
     def reusable(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` may start from (nothing claimed yet)."""
-        if seq.image_positions or seq.params.prompt_logprobs is not None:
+        if not self._may_reuse(seq):
             return []
         limit = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
         return self.kv.cached_prefix(self._hashes(seq, limit))
+
+    def computing(self, seqs: Iterable[Sequence]) -> set[bytes]:
+        """The prefix hashes of the full blocks that the prefills among `seqs` have yet to
+        write (a decoding sequence writes none of its prompt's)."""
+        hashes: set[bytes] = set()
+        for seq in seqs:
+            if seq.image_positions or seq.num_cached_tokens >= seq.num_tokens - 1:
+                continue
+            num_full = seq.num_tokens // self.block_size
+            hashes.update(self._hashes(seq, num_full)[seq.num_cached_tokens // self.block_size :])
+        return hashes
+
+    def waits(self, seq: Sequence, reused: list[int], computing: set[bytes]) -> bool:
+        """Whether `seq` waits to reuse the blocks after its cached prefix (`reused`) that a
+        running prefill is computing: at least MIN_WAIT_TOKENS of them in a row."""
+        if not computing or not self._may_reuse(seq):
+            return False
+        limit = (seq.num_tokens - 1) // self.block_size
+        ahead = self._hashes(seq, limit)[len(reused) :]
+        need = -(-MIN_WAIT_TOKENS // self.block_size)
+        return len(ahead) >= need and all(h in computing for h in ahead[:need])
 
     def num_taken(self, blocks: list[int]) -> int:
         """Blocks claiming `blocks` takes from what the pool can allocate (the idle ones)."""
@@ -64,6 +95,10 @@ class PrefixCache:
             "hit_tokens": self.num_hit_tokens,
             "cached_blocks": self.kv.num_cached_blocks,
         }
+
+    @staticmethod
+    def _may_reuse(seq: Sequence) -> bool:
+        return not seq.image_positions and seq.params.prompt_logprobs is None
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix hashes of `seq`'s first `num_blocks` full blocks (remembered on it)."""

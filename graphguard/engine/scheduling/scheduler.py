@@ -7,7 +7,9 @@ budget is prefilled in chunks over several steps (its KV blocks are reserved at 
 one long prompt never makes a step longer than the budget. When a running sequence needs a new
 block and none is free, the most recently admitted running sequence is preempted: its blocks
 are freed and it goes back to the front of the waiting queue with its output kept, so a later
-prefill recomputes prompt + output so far.
+prefill recomputes prompt + output so far. With prefix caching, a waiting sequence whose next
+blocks a running prefill is writing stays queued in its place until they are written, then
+reuses them (PrefixCache.waits); the sequences behind it keep their order.
 
 Choices of one request (n > 1) share one prefill: the siblings wait as ``forks`` of the first
 choice, are admitted with it (room for all of them, and a reserved block each for a copy of
@@ -247,32 +249,53 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         """Waiting sequences that start their prefill this step, in order, with the tokens
-        each runs, while `budget` tokens are left: the last one may get only a first chunk."""
+        each runs, while `budget` tokens are left: the last one may get only a first chunk.
+        One whose next blocks a running prefill is computing stays queued in its place, to
+        reuse them later (PrefixCache.waits); the others keep their order."""
         admitted: list[tuple[Sequence, int]] = []
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
-            num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
-            cache = self.prefix_cache
+        cache = self.prefix_cache
+        computing = cache.computing(self.running) if cache and self.waiting else set()
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            seq = self.waiting[index]
             reused = cache.reusable(seq) if cache is not None else []
-            taken = cache.num_taken(reused) if cache is not None else 0
-            if self.num_running_slots + seq.group_size > self.max_num_seqs:
-                break
-            if not self.kv.can_allocate(num_blocks - len(reused) + num_copies + taken):
-                break  # FIFO: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            if cache is not None:
-                reused = cache.claim(seq, reused)  # NOTE: before allocating, which may evict
-            seq.block_table = reused + self.kv.allocate(num_blocks - len(reused))
-            for fork in seq.forks:  # a block each for its copy of the prompt's last block
-                fork.block_table = self.kv.allocate(1 if num_copies else 0)
-            seq.num_cached_tokens = len(reused) * self.block_size
-            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            if cache is not None and cache.waits(seq, reused, computing):
+                index += 1
+                continue
+            if not self._fits(seq, reused):
+                break  # FIFO: nobody overtakes the first that does not fit
+            del self.waiting[index]
+            chunk = self._start(seq, reused, budget)
             budget -= chunk
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
             admitted.append((seq, chunk))
+            if cache is not None:
+                computing |= cache.computing([seq])
         return admitted
+
+    def _fits(self, seq: Sequence, reused: list[int]) -> bool:
+        """Whether `seq`, starting from the cached blocks `reused`, fits the running slots and
+        the pool."""
+        if self.num_running_slots + seq.group_size > self.max_num_seqs:
+            return False
+        num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
+        num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+        taken = self.prefix_cache.num_taken(reused) if self.prefix_cache is not None else 0
+        return self.kv.can_allocate(num_blocks - len(reused) + num_copies + taken)
+
+    def _start(self, seq: Sequence, reused: list[int], budget: int) -> int:
+        """Give `seq` its blocks (the cached `reused` ones first) and a running slot; returns
+        the tokens of its first chunk."""
+        num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
+        num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+        if self.prefix_cache is not None:
+            reused = self.prefix_cache.claim(seq, reused)  # NOTE: before allocating (evicts)
+        seq.block_table = reused + self.kv.allocate(num_blocks - len(reused))
+        for fork in seq.forks:  # a block each for its copy of the prompt's last block
+            fork.block_table = self.kv.allocate(1 if num_copies else 0)
+        seq.num_cached_tokens = len(reused) * self.block_size
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return min(seq.num_tokens - seq.num_cached_tokens, budget)
 
     def _can_append_slot(self, seq: Sequence) -> bool:
         # The query token sits at position num_tokens - 1; its KV needs num_tokens slots.

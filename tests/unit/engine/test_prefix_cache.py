@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes
-from graphguard.engine.scheduling.prefix_cache import PrefixCache
+from graphguard.engine.scheduling.prefix_cache import MIN_WAIT_TOKENS, PrefixCache
+from graphguard.engine.scheduling.scheduler import Scheduler
 from graphguard.engine.scheduling.sequence import Sequence
 from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
@@ -65,6 +66,20 @@ def test_a_shared_prefix_is_prefilled_once_and_the_answer_is_unchanged(embedded_
     assert_same_answer(tokens, expected)
     stats = engine.stats()["prefix_cache"]
     assert stats["hit_tokens"] == 93 * 16 and stats["cached_blocks"] > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_requests_sent_together_over_one_document_prefill_it_once(embedded_model):
+    doc = document(600)
+    prompts = {"a": doc + [101], "b": doc + [201, 202], "c": doc + [301, 302, 303]}
+    engine = make_engine(embedded_model, **LONG)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    outputs = run_to_completion(engine)
+    # b and c reuse the 37 full blocks (592 tokens) a wrote: only their rest is computed
+    assert engine.scheduler.num_prefilled_tokens == 601 + (602 - 592) + (603 - 592)
+    fresh, _ = answer(make_engine(embedded_model, **LONG), "c", prompts["c"])
+    assert_same_answer([lp for out in outputs["c"] for lp in out.logprobs or []], fresh)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -135,3 +150,67 @@ def test_prefix_hashes_extend_the_known_ones_to_the_same_chain():
     known = prefix_hashes(tokens, 2, 2)
     assert prefix_hashes(tokens, 2, 5, known) == prefix_hashes(tokens, 2, 5)
     assert prefix_hashes(tokens, 2, 1, known) == known[:1]
+
+
+def scheduler_over(num_blocks: int, budget: int, block_size: int = 16) -> Scheduler:
+    kv = PagedKVStorage(
+        num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=num_blocks + 1,
+        block_size=block_size, dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    return Scheduler(
+        kv, max_num_seqs=8, max_num_batched_tokens=budget, prefix_cache=PrefixCache(kv)
+    )
+
+
+def step(scheduler: Scheduler) -> dict[str, int]:
+    """One step as the engine runs it (a token for each row that completes); the tokens each
+    prefill ran, by request."""
+    batch = scheduler.schedule()
+    scheduler.advance(batch)
+    for seq, completes in zip(batch.seqs, batch.completes, strict=True):
+        if completes:
+            seq.append_token(7)
+    return {chunk.seq.request_id: chunk.num_tokens for chunk in batch.prefills}
+
+
+def test_requests_arriving_together_over_one_document_compute_it_once():
+    doc = document(512)  # 32 blocks; the budget would fit two of these prompts in one step
+    scheduler = scheduler_over(num_blocks=128, budget=1024)
+    for name, question in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6])):
+        scheduler.add(Sequence(name, doc + question, SamplingParams()))
+    scheduler.add(Sequence("other", list(range(5000, 5040)), SamplingParams()))
+    # b and c wait for a's blocks; `other` shares nothing and does not wait behind them
+    assert step(scheduler) == {"a": 514, "other": 40}
+    assert step(scheduler) == {"b": 3, "c": 1}  # then reuse all 32 of them
+    assert scheduler.prefix_cache.stats()["hit_tokens"] == 2 * 512
+
+
+def test_a_prefix_written_in_chunks_is_waited_for_until_it_is_written():
+    doc = document(1024)  # a writes it in chunks of 512 tokens
+    scheduler = scheduler_over(num_blocks=160, budget=768)
+    scheduler.add(Sequence("a", doc + [1], SamplingParams()))
+    scheduler.add(Sequence("b", doc + [2], SamplingParams()))
+    assert step(scheduler) == {"a": 768}  # b waits while a writes the blocks it needs...
+    assert step(scheduler) == {"a": 257}
+    assert step(scheduler) == {"b": 1}  # ...then reuses all 64
+    assert scheduler.num_prefilled_tokens == 1025 + 1
+
+
+def test_a_short_shared_run_is_computed_again_rather_than_waited_for():
+    head = document(128)  # 8 blocks, under MIN_WAIT_TOKENS
+    assert len(head) < MIN_WAIT_TOKENS
+    scheduler = scheduler_over(num_blocks=64, budget=512)
+    scheduler.add(Sequence("a", head + [1], SamplingParams()))
+    scheduler.add(Sequence("b", head + [2], SamplingParams()))
+    assert step(scheduler) == {"a": 129, "b": 129}  # both start at once
+
+
+def test_a_waiting_request_computes_the_document_itself_when_its_writer_is_aborted():
+    doc = document(512)
+    scheduler = scheduler_over(num_blocks=128, budget=128)
+    scheduler.add(Sequence("a", doc + [1], SamplingParams()))
+    scheduler.add(Sequence("b", doc + [2], SamplingParams()))
+    assert step(scheduler) == {"a": 128}
+    scheduler.abort("a")  # its 8 written blocks stay cached
+    assert step(scheduler) == {"b": 128}  # from block 8 on, itself
+    assert scheduler.running[0].num_cached_tokens == 256  # 8 blocks reused, 8 computed
