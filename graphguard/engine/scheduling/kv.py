@@ -64,6 +64,8 @@ class PagedKVStorage:
         self._cached: dict[bytes, int] = {}  # prefix hash -> block holding that prefix's KV
         self._hash_of: dict[int, bytes] = {}  # the inverse, for blocks registered
         self._idle: OrderedDict[int, None] = OrderedDict()  # cached, held by no one: LRU first
+        # bumped by clear_prefix_cache: KV written by a request admitted before is never cached
+        self.prefix_generation = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,6 +138,7 @@ class PagedKVStorage:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix (new weights: the cached KV is stale)."""
+        self.prefix_generation += 1
         self._free.extend(reversed(self._idle))
         self._idle.clear()
         self._cached.clear()

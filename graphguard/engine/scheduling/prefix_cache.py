@@ -47,39 +47,51 @@ class PrefixCache:
 
     def computing(self, seqs: Iterable[Sequence]) -> set[bytes]:
         """The prefix hashes of the full blocks that the prefills among `seqs` have yet to
-        write (a decoding sequence writes none of its prompt's)."""
+        write and will cache (a decoding sequence writes none of its prompt's)."""
         hashes: set[bytes] = set()
         for seq in seqs:
-            if seq.image_positions or seq.num_cached_tokens >= seq.num_tokens - 1:
+            prefilling = seq.num_cached_tokens < seq.num_tokens - 1
+            if not prefilling or not self._caches(seq):
                 continue
             num_full = seq.num_tokens // self.block_size
             hashes.update(self._hashes(seq, num_full)[seq.num_cached_tokens // self.block_size :])
         return hashes
 
-    def waits(self, seq: Sequence, reused: list[int], computing: set[bytes]) -> bool:
-        """Whether `seq` waits to reuse the blocks after its cached prefix (`reused`) that a
-        running prefill is computing: at least MIN_WAIT_TOKENS of them in a row."""
+    def coming(self, seq: Sequence, reused: list[int], computing: set[bytes]) -> int:
+        """How many of the blocks after `seq`'s cached prefix (`reused`), in a row, a running
+        prefill is writing (`computing`): blocks `seq` may reuse once they are written."""
         if not computing or not self._may_reuse(seq):
-            return False
+            return 0
         limit = (seq.num_tokens - 1) // self.block_size
-        ahead = self._hashes(seq, limit)[len(reused) :]
-        need = -(-MIN_WAIT_TOKENS // self.block_size)
-        return len(ahead) >= need and all(h in computing for h in ahead[:need])
+        num = 0
+        for prefix_hash in self._hashes(seq, limit)[len(reused) :]:
+            if prefix_hash not in computing:
+                break
+            num += 1
+        return num
+
+    def waits(self, num_coming: int) -> bool:
+        """Whether a request waits for `num_coming` blocks being written rather than compute
+        them: at least MIN_WAIT_TOKENS of them."""
+        return num_coming * self.block_size >= MIN_WAIT_TOKENS
 
     def num_taken(self, blocks: list[int]) -> int:
         """Blocks claiming `blocks` takes from what the pool can allocate (the idle ones)."""
         return self.kv.num_idle(blocks)
 
     def claim(self, seq: Sequence, blocks: list[int]) -> list[int]:
-        """`seq` holds the cached `blocks` from now on."""
+        """`seq` holds the cached `blocks` from now on; what it writes is cached in this
+        generation of the cache only."""
+        seq.cache_generation = self.kv.prefix_generation
         self.num_lookup_tokens += seq.num_tokens
         self.num_hit_tokens += len(blocks) * self.block_size
         return self.kv.claim_prefix(blocks)
 
     def register(self, seq: Sequence, num_written: int) -> None:
         """The full blocks among `seq`'s first `num_written` tokens (their KV written) are
-        cached under their prefix hashes."""
-        if seq.image_positions:
+        cached under their prefix hashes (unless the cache was cleared since `seq` was
+        admitted: its KV may be the old weights')."""
+        if not self._caches(seq):
             return
         num_full = min(num_written // self.block_size, len(seq.block_table))
         for block, prefix_hash in zip(seq.block_table, self._hashes(seq, num_full), strict=False):
@@ -95,6 +107,10 @@ class PrefixCache:
             "hit_tokens": self.num_hit_tokens,
             "cached_blocks": self.kv.num_cached_blocks,
         }
+
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether the blocks `seq` writes are cached."""
+        return not seq.image_positions and seq.cache_generation == self.kv.prefix_generation
 
     @staticmethod
     def _may_reuse(seq: Sequence) -> bool:

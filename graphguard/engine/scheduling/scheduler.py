@@ -21,12 +21,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 from graphguard.engine.scheduling.batch import PrefillChunk, ScheduledBatch
 from graphguard.engine.scheduling.prefix_cache import PrefixCache
 from graphguard.engine.scheduling.sequence import Sequence, SequenceStatus, num_blocks_for
 from graphguard.engine.tokens.structured import InvalidParamError
+
+# Sequences waiting for blocks being written that one admission passes over: each costs a
+# look-up of its prefix, and the ones further back can wait for the next step.
+MAX_WAITING_PASSED = 16
 
 
 class BlockPool(Protocol):
@@ -223,6 +228,7 @@ class Scheduler:
             if reserved:
                 self.kv.copy_block(parent.block_table[num_full], reserved[0])
             fork.num_cached_tokens = num_prompt
+            fork.cache_generation = parent.cache_generation
             if parent.prompt_logprobs is not None:
                 fork.prompt_logprobs = list(parent.prompt_logprobs)
             fork.status = SequenceStatus.RUNNING
@@ -250,19 +256,23 @@ class Scheduler:
     def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
         """Waiting sequences that start their prefill this step, in order, with the tokens
         each runs, while `budget` tokens are left: the last one may get only a first chunk.
-        One whose next blocks a running prefill is computing stays queued in its place, to
-        reuse them later (PrefixCache.waits); the others keep their order."""
+        One whose next blocks a running prefill is writing stays queued in its place, to
+        reuse them later (PrefixCache.waits), holding the slots and blocks it will take: the
+        sequences behind it are admitted only into what is left, so none overtakes it for
+        good. At most MAX_WAITING_PASSED such sequences are passed a step."""
         admitted: list[tuple[Sequence, int]] = []
         cache = self.prefix_cache
         computing = cache.computing(self.running) if cache and self.waiting else set()
-        index = 0
-        while index < len(self.waiting) and budget > 0:
+        index, held = 0, _Held()
+        while index < len(self.waiting) and budget > 0 and held.seqs < MAX_WAITING_PASSED:
             seq = self.waiting[index]
             reused = cache.reusable(seq) if cache is not None else []
-            if cache is not None and cache.waits(seq, reused, computing):
+            coming = cache.coming(seq, reused, computing) if cache is not None else 0
+            if cache is not None and cache.waits(coming):
+                held.add(seq.group_size, self._blocks_needed(seq, reused) - coming)
                 index += 1
                 continue
-            if not self._fits(seq, reused):
+            if not self._fits(seq, reused, held):
                 break  # FIFO: nobody overtakes the first that does not fit
             del self.waiting[index]
             chunk = self._start(seq, reused, budget)
@@ -272,15 +282,20 @@ class Scheduler:
                 computing |= cache.computing([seq])
         return admitted
 
-    def _fits(self, seq: Sequence, reused: list[int]) -> bool:
+    def _fits(self, seq: Sequence, reused: list[int], held: _Held) -> bool:
         """Whether `seq`, starting from the cached blocks `reused`, fits the running slots and
-        the pool."""
-        if self.num_running_slots + seq.group_size > self.max_num_seqs:
+        the pool beside what the sequences waiting in front of it hold."""
+        if self.num_running_slots + held.slots + seq.group_size > self.max_num_seqs:
             return False
+        return self.kv.can_allocate(self._blocks_needed(seq, reused) + held.blocks)
+
+    def _blocks_needed(self, seq: Sequence, reused: list[int]) -> int:
+        """Blocks admitting `seq` takes from the pool: its own beyond the cached `reused`, a
+        copy of the prompt's last block per fork, and the idle cached blocks it claims."""
         num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
         num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
         taken = self.prefix_cache.num_taken(reused) if self.prefix_cache is not None else 0
-        return self.kv.can_allocate(num_blocks - len(reused) + num_copies + taken)
+        return num_blocks - len(reused) + num_copies + taken
 
     def _start(self, seq: Sequence, reused: list[int], budget: int) -> int:
         """Give `seq` its blocks (the cached `reused` ones first) and a running slot; returns
@@ -323,6 +338,19 @@ class Scheduler:
             if one.block_table:
                 self.kv.free(one.block_table)
                 one.block_table = []
+
+
+@dataclass
+class _Held:
+    """What the sequences passed over in one admission (waiting for blocks being written)
+    will take: running slots and pool blocks."""
+
+    seqs: int = 0
+    slots: int = 0
+    blocks: int = 0
+
+    def add(self, slots: int, blocks: int) -> None:
+        self.seqs, self.slots, self.blocks = self.seqs + 1, self.slots + slots, self.blocks + blocks
 
 
 def _heir(seq: Sequence) -> Sequence | None:

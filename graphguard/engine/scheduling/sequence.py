@@ -63,6 +63,9 @@ class Sequence:
         self.prefix_hashes: list[
             bytes
         ] = []  # of its full blocks, as far as computed (prefix_cache)
+        # the pool's prefix_generation when it was admitted (-1: never): its KV is cached only
+        # while that generation lasts (new weights start another)
+        self.cache_generation = -1
 
     @property
     def token_ids(self) -> list[int]:

@@ -136,7 +136,7 @@ def test_images_and_prompt_logprobs_are_not_served_from_the_cache():
     kv = pool()
     cache = PrefixCache(kv)
     seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams())
-    seq.block_table = kv.allocate(3)
+    seq.block_table = cache.claim(seq, []) + kv.allocate(3)  # admitted: its KV may be cached
     cache.register(seq, 4)
     assert cache.reusable(Sequence("b", [1, 2, 3, 4, 9], SamplingParams())) != []
     with_image = Sequence("c", [1, 2, 3, 4, 9], SamplingParams())
@@ -214,3 +214,28 @@ def test_a_waiting_request_computes_the_document_itself_when_its_writer_is_abort
     scheduler.abort("a")  # its 8 written blocks stay cached
     assert step(scheduler) == {"b": 128}  # from block 8 on, itself
     assert scheduler.running[0].num_cached_tokens == 256  # 8 blocks reused, 8 computed
+
+
+def test_a_waiting_request_keeps_its_place_against_the_ones_behind_it():
+    doc = document(1024)
+    scheduler = scheduler_over(num_blocks=200, budget=2048)
+    scheduler.max_num_seqs = 2
+    scheduler.add(Sequence("r", doc + [1], SamplingParams()))
+    scheduler.add(Sequence("w", doc + [2], SamplingParams()))  # waits for r's blocks...
+    scheduler.add(Sequence("x", list(range(9000, 9010)), SamplingParams(max_tokens=1000)))
+    assert step(scheduler) == {"r": 1025}  # ...holding its slot: x may not take it
+    assert step(scheduler) == {"w": 1}
+    assert [seq.request_id for seq in scheduler.waiting] == ["x"]
+
+
+def test_kv_written_before_the_cache_was_cleared_is_never_cached():
+    doc = document(1024)
+    scheduler = scheduler_over(num_blocks=200, budget=512)
+    scheduler.add(Sequence("old", doc + [1], SamplingParams()))
+    step(scheduler)  # its first 512 tokens, with the old weights
+    scheduler.kv.clear_prefix_cache()  # new weights
+    step(scheduler)
+    step(scheduler)  # the rest written and the request decoding
+    scheduler.abort("old")
+    assert scheduler.prefix_cache.reusable(Sequence("new", doc + [2], SamplingParams())) == []
+    assert scheduler.kv.num_cached_blocks == 0
