@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -38,6 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.local_serve import free_port, local_serve  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 KINDS = ("declared_5mb", "chunked_5mb", "prompt_under_limit")
@@ -259,26 +262,14 @@ def _r(value: float) -> float:
 @contextmanager
 def server_process() -> Iterator[tuple[str, int]]:
     """`graphguard serve` (the embedded model, defaults) on a free loopback port."""
-    command = [sys.executable, "-m", "graphguard.server.cli", "--port", str(_free_port()),
-               "--log-level", "warning"]  # fmt: skip
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{command[4]}"
-    try:
-        deadline = time.monotonic() + 180
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                sys.exit("graphguard serve did not start")
-            time.sleep(0.2)
-        yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(60)
+    with local_serve(["--log-level", "warning"], timeout_s=180) as server:
+        yield server.url, server.pid
 
 
 @contextmanager
 def sink_process() -> Iterator[str]:
     """`sink` in a process of its own on a free loopback port."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, __file__, "--sink", str(port)])
     try:
         while not _is_listening(port):
@@ -289,22 +280,9 @@ def sink_process() -> Iterator[str]:
         process.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _is_listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

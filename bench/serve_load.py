@@ -27,10 +27,7 @@ import json
 import multiprocessing
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -52,7 +49,7 @@ from bench.load_bounds import (  # noqa: E402
     engine_counts,
     listener_pid,
 )
-from bench.sse import StreamReading  # noqa: E402
+from bench.local_serve import StreamReading, local_serve, stream_body  # noqa: E402
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = (
@@ -89,15 +86,7 @@ def prompt_of(index: int, spread: int) -> str:
 async def one_request(
     client: httpx.AsyncClient, model: str, index: int, args: argparse.Namespace, load_start: float
 ) -> RequestResult:
-    body = {
-        "model": model,
-        "prompt": prompt_of(index, args.prompt_spread),
-        "max_tokens": args.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(model, prompt_of(index, args.prompt_spread), args.max_tokens)
     start = time.perf_counter()
     reading = StreamReading()
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -163,50 +152,21 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict[str, float]:
     }
 
 
-@contextmanager
-def local_server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, float]]:
-    """`graphguard serve` in a process of its own on a free loopback port, for the duration;
-    also the seconds from launch to a healthy server (load, KV, graph warm-up if asked).
+def server_flags(args: argparse.Namespace) -> list[str]:
+    """The `graphguard serve` flags of the local server.
 
     A separate process keeps the load generator's event loop off the server's interpreter lock,
     as it is with real clients.
     """
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "graphguard.server.cli", "--port", str(port)]
-    command += ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
-    command += ["--max-model-len", str(args.max_model_len), "--log-level", "warning"]
-    command += ["--model", args.model_path] if args.model_path else []
-    command += ["--enforce-eager"] if args.enforce_eager else []
-    command += ["--warmup-graphs"] if args.warmup_graphs else []
-    command += ["--no-background-capture"] if args.no_background_capture else []
-    command += ["--no-engine-process"] if args.in_process else []
-    command += ["--kernels", args.kernels] if args.kernels else []
-    started = time.perf_counter()
-    process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while not _healthy(url):
-            if process.poll() is not None:
-                sys.exit(f"graphguard serve exited with {process.returncode} before it served")
-            if time.perf_counter() - started > args.start_timeout:
-                sys.exit(f"graphguard serve was not healthy after {args.start_timeout} s")
-            time.sleep(0.1)
-        yield url, None, round(time.perf_counter() - started, 2)
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
+    flags = ["--device", args.device, "--max-num-seqs", str(args.max_num_seqs)]
+    flags += ["--max-model-len", str(args.max_model_len), "--log-level", "warning"]
+    flags += ["--model", args.model_path] if args.model_path else []
+    flags += ["--enforce-eager"] if args.enforce_eager else []
+    flags += ["--warmup-graphs"] if args.warmup_graphs else []
+    flags += ["--no-background-capture"] if args.no_background_capture else []
+    flags += ["--no-engine-process"] if args.in_process else []
+    flags += ["--kernels", args.kernels] if args.kernels else []
+    return flags
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -384,8 +344,8 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, float |
     if args.url:
         yield args.url.rstrip("/"), None, None
         return
-    with local_server(args) as running:
-        yield running
+    with local_serve(server_flags(args), timeout_s=args.start_timeout) as server:
+        yield server.url, None, server.start_s
 
 
 if __name__ == "__main__":

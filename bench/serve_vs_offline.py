@@ -20,10 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -34,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.sse import StreamReading  # noqa: E402
+from bench.local_serve import StreamReading, local_serve, stream_body  # noqa: E402
 from bench.timing import write_json  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
 from graphguard.engine.models.loader import load_model  # noqa: E402
@@ -67,41 +64,17 @@ def paired_rates(config: str, repeats: int, args: argparse.Namespace) -> list[tu
 @contextmanager
 def local_server(config: str, args: argparse.Namespace) -> Iterator[httpx.Client]:
     """A `graphguard serve` of `config` on a free loopback port, and a client of it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "graphguard.server.cli", "--port", str(port), *ENGINE_ARGS]
-    command += ["--device", "cpu", "--log-level", "warning"]
-    command += ["--kernels", "q4"] if config == "q4" else []
-    command += shlex.split(args.server_args)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    if args.server_pythonpath:
-        env["PYTHONPATH"] = args.server_pythonpath
-    process = subprocess.Popen(command, env=env, cwd=args.server_pythonpath or None)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process)
-        with httpx.Client(base_url=url, timeout=300) as client:
+    flags = [*ENGINE_ARGS, "--device", "cpu", "--log-level", "warning"]
+    flags += ["--kernels", "q4"] if config == "q4" else []
+    flags += shlex.split(args.server_args)
+    with local_serve(flags, pythonpath=args.server_pythonpath) as server:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
             yield client
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def stream_once(client: httpx.Client) -> float:
     """Seconds from sending one streamed request to its last text (NEW_TOKENS tokens)."""
-    body = {
-        "model": client.get("/v1/models").json()["data"][0]["id"],
-        "prompt": PROMPT,
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(client.get("/v1/models").json()["data"][0]["id"], PROMPT, NEW_TOKENS)
     start = time.perf_counter()
     reading = StreamReading()
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -110,19 +83,6 @@ def stream_once(client: httpx.Client) -> float:
     assert reading.num_tokens == NEW_TOKENS, reading.num_tokens
     assert reading.last_text_s is not None, "the stream produced no text"
     return reading.last_text_s - start
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            sys.exit(f"graphguard serve did not become healthy (exit {process.returncode})")
-        time.sleep(0.2)
 
 
 def main(argv: list[str] | None = None) -> int:
