@@ -1,8 +1,10 @@
-"""Helpers shared by the server tests: the served model, free ports, polling, scraping."""
+"""Helpers shared by the server tests: the served model, free ports, polling, scraping, a
+stream read in the background."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,3 +63,26 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+class BackgroundStream:
+    """A streamed POST `body` to `url`, read on a thread of its own: its non-empty lines, and
+    an event set at the first one."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout_s: float = 30) -> None:
+        self.lines: list[str] = []
+        self.first_line = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body, timeout_s))
+        self._thread.start()
+
+    def _read(self, url: str, body: dict[str, Any], timeout_s: float) -> None:
+        with httpx.stream("POST", url, json=body, timeout=timeout_s) as response:
+            for line in response.iter_lines():
+                if line:
+                    self.lines.append(line)
+                    self.first_line.set()
+
+    def ended(self, timeout_s: float) -> bool:
+        """Whether the stream ended within `timeout_s` (rather than hung)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

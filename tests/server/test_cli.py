@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 
 import httpx
@@ -27,7 +26,7 @@ from graphguard.server.config import API_KEY_ENV, ServerConfig
 from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
 from graphguard.server.timeouts import HeaderTimeoutProtocol
 
-from .helpers import MODEL, free_port, wait_for
+from .helpers import MODEL, BackgroundStream, free_port, wait_for
 
 
 def test_every_config_setting_is_a_flag_or_says_why_not() -> None:
@@ -114,22 +113,12 @@ def test_sigterm_ends_an_in_flight_stream_with_abort(
 ) -> None:
     process, base_url = serve_process
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    first_event = threading.Event()
-    lines: list[str] = []
-
-    def read_stream() -> None:
-        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line:
-                    lines.append(line)
-                    first_event.set()
-
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert first_event.wait(30)
+    stream = BackgroundStream(f"{base_url}/v1/completions", body)
+    assert stream.first_line.wait(30)
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == 0
-    reader.join(10)
+    stream.ended(10)
+    lines = stream.lines
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -18,7 +17,7 @@ import pytest
 from graphguard.server.engine_client import EngineProcessClient
 
 from .conftest import TEST_ENGINE, serve
-from .helpers import MODEL, RunningServer, wait_for
+from .helpers import MODEL, BackgroundStream, RunningServer, wait_for
 
 NUM_STREAMS = 4
 NUM_TOKENS = 8
@@ -90,23 +89,11 @@ def doomed_server() -> Iterator[RunningServer]:
 def test_a_killed_engine_process_fails_streams_and_health(doomed_server: RunningServer) -> None:
     server = doomed_server
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 600, "ignore_eos": True}
-    first_event = threading.Event()
-    lines: list[str] = []
-
-    def read_stream() -> None:
-        url = f"{server.base_url}/v1/completions"
-        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as response:
-            for line in response.iter_lines():
-                if line:
-                    lines.append(line)
-                    first_event.set()
-
-    reader = threading.Thread(target=read_stream)
-    reader.start()
-    assert first_event.wait(30)
+    stream = BackgroundStream(f"{server.base_url}/v1/completions", {**body, "stream": True})
+    assert stream.first_line.wait(30)
     os.kill(_client(server).pid, signal.SIGKILL)
-    reader.join(30)
-    assert not reader.is_alive()  # the stream ended rather than hung
+    assert stream.ended(30)  # rather than hung
+    lines = stream.lines
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "engine process exited" in error["message"]
