@@ -9,7 +9,8 @@ block and none is free, the most recently admitted running sequence is preempted
 are freed and it goes back to the front of the waiting queue with its output kept, so a later
 prefill recomputes prompt + output so far. With prefix caching, a waiting sequence whose next
 blocks a running prefill is writing stays queued in its place until they are written, then
-reuses them (PrefixCache.waits); the sequences behind it keep their order.
+reuses them (PrefixCache.waits); meanwhile it holds the slots and blocks it will take, and the
+sequences behind it are admitted, in their order, into what is left.
 
 Choices of one request (n > 1) share one prefill: the siblings wait as ``forks`` of the first
 choice, are admitted with it (room for all of them, and a reserved block each for a copy of
