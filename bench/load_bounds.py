@@ -111,6 +111,15 @@ def bound_report(
         "engine_step_interval_ms": round(wall_s / steps * 1e3, 3) if steps else None,
         "token_gap_p50_ms": round(tpot_p50_s * 1e3, 3) if tpot_p50_s else None,
     }
+    # What a streamed token costs each side in CPU (the server's includes its share of the
+    # requests' own work): the figure to compare between versions of the server.
+    num_tokens = sum(result.num_output_tokens for run in runs for result in run.results)
+    if num_tokens:
+        per_token_us = 1e6 / num_tokens
+        client_cpu_s = sum(run.cpu_s for run in runs)
+        report["client_cpu_us_per_token"] = round(client_cpu_s * per_token_us, 1)
+        if "server" in busy:
+            report["server_cpu_us_per_token"] = round(busy["server"] * wall_s * per_token_us, 1)
     report["bound"] = _verdict(client_busy, busy)
     return report
 
