@@ -58,8 +58,9 @@ class Choice:
         self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
         self.last = output
 
-    def chunk(self, fmt: OutputFormat, output: RequestOutput) -> BaseModel:
-        """The streamed chunk of `output` (taken already), with the logprobs held until now."""
+    def chunk(self, fmt: OutputFormat, output: RequestOutput) -> str:
+        """The JSON of `output`'s streamed chunk (taken already), with the logprobs held until
+        now."""
         finish_reason = output.finish_reason if output.finished else None
         logprobs, self.logprobs = self.logprobs, []
         return fmt.chunk(
@@ -99,7 +100,7 @@ async def sse_events(
             async for choice, output in outputs:
                 choice.take(output)
                 if output.delta_text or output.finished:
-                    yield _sse(choice.chunk(fmt, output))
+                    yield _event(choice.chunk(fmt, output))
         if include_usage:
             yield _sse(fmt.usage_chunk(usage(choices)))
     except Exception as exc:  # the engine failed mid-stream: say so in-band, then end
@@ -182,4 +183,8 @@ def usage(choices: list[Choice]) -> r.Usage:
 
 
 def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
+    return _event(chunk.model_dump_json())
+
+
+def _event(chunk_json: str) -> str:
+    return f"data: {chunk_json}\n\n"

@@ -6,17 +6,23 @@ Both formats have the same methods (`opening`, `chunk`, `usage_chunk`, `response
 handlers stream and collect outputs without knowing which endpoint they serve. A response may
 have several choices (`n` per prompt, and one prompt per completions prompt): `chunk` takes
 the choice's index.
+
+`chunk` runs once per streamed event, for every stream: a chunk with no logprobs is written from
+JSON rendered once per response (`ChunkTemplate`), not built as pydantic models each time. One
+`created` time serves a response's every chunk, as OpenAI's do.
 """
 
 from __future__ import annotations
 
 import codecs
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from pydantic import BaseModel
+from pydantic_core import to_json
 
 from graphguard.engine.engine import RequestOutput
 from graphguard.engine.tokens.sampling import TokenLogprob
@@ -68,6 +74,36 @@ class _ChoiceText:
         return text, entries
 
 
+class ChunkTemplate:
+    """A streamed chunk's JSON with three holes: its choice's index, text and finish reason.
+
+    It is `model_dump_json()` of a chunk holding marks in those places, split at the marks, so
+    what `render` writes is what pydantic writes for the same chunk, byte for byte (a test
+    checks), at a tenth of the cost: about 0.5 against 5 us on the event loop per event.
+    """
+
+    INDEX = 987654321
+    TEXT = "\x00text\x00"
+    FINISH = "\x00finish\x00"
+
+    def __init__(self, marked: BaseModel) -> None:
+        rendered = marked.model_dump_json()
+        head, _, rest = rendered.rpartition(f'"index":{self.INDEX}')
+        before_text, _, rest = rest.partition(_json(self.TEXT))
+        before_finish, _, tail = rest.partition(_json(self.FINISH))
+        if not (head and before_text and before_finish and tail):
+            raise ValueError(f"a chunk's fields are not in the order this expects: {rendered}")
+        self._pieces = (head + '"index":', before_text, before_finish, tail)
+
+    def render(self, index: int, text: str | None, finish_reason: str | None) -> str:
+        head, before_text, before_finish, tail = self._pieces
+        return f"{head}{index}{before_text}{_json(text)}{before_finish}{_json(finish_reason)}{tail}"
+
+
+def _json(value: str | None) -> str:
+    return "null" if value is None else to_json(value).decode()
+
+
 class CompletionFormat:
     """Shapes outputs as /v1/completions objects, choice `i` answering `prompts[i]`; with an
     echo text, a choice's prompt comes first (in its first streamed chunk) and, with logprobs,
@@ -81,10 +117,15 @@ class CompletionFormat:
         with_logprobs: bool = False,
     ) -> None:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
         self.with_logprobs = with_logprobs
         self._choices = [_ChoiceText(tokenizer, prompt) for prompt in prompts]
+        marks = r.CompletionChoice(
+            index=ChunkTemplate.INDEX, text=ChunkTemplate.TEXT, finish_reason=ChunkTemplate.FINISH
+        )
+        self._template = ChunkTemplate(self._response([marks]))
 
     def opening(self) -> list[BaseModel]:
         return []
@@ -96,20 +137,29 @@ class CompletionFormat:
         finish_reason: str | None,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,
-    ) -> BaseModel:
+    ) -> str:
+        """The JSON of choice `index`'s next streamed chunk (its echo first, once)."""
+        if not self.with_logprobs:
+            echo, _ = self._choices[index].take_echo(prompt_logprobs)
+            return self._template.render(index, echo + delta, finish_reason)
         choice = self._choice(index, delta, finish_reason, logprobs, prompt_logprobs)
-        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[choice])
+        return self._response([choice]).model_dump_json()
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
-        return r.CompletionResponse(id=self.request_id, model=self.model, choices=[], usage=usage)
+        return self._response([], usage)
 
     def response(self, outputs: list[ChoiceOutput], usage: r.Usage) -> BaseModel:
         choices = [
             self._choice(i, o.output.text, o.output.finish_reason, o.logprobs, o.prompt_logprobs)
             for i, o in enumerate(outputs)
         ]
+        return self._response(choices, usage)
+
+    def _response(
+        self, choices: list[r.CompletionChoice], usage: r.Usage | None = None
+    ) -> r.CompletionResponse:
         return r.CompletionResponse(
-            id=self.request_id, model=self.model, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
     def _choice(
@@ -162,15 +212,25 @@ class ChatFormat:
         self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False, num_choices: int = 1
     ) -> None:
         self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
         self.with_logprobs = with_logprobs
         self.num_choices = num_choices  # n
+        marks = r.ChatChunkChoice(
+            index=ChunkTemplate.INDEX,
+            delta=r.ChatDelta(content=ChunkTemplate.TEXT),
+            finish_reason=ChunkTemplate.FINISH,
+        )
+        self._template = ChunkTemplate(self._chunk_of([marks]))
 
     def opening(self) -> list[BaseModel]:
         """Each choice's first chunk: the assistant role, no content yet."""
         role = r.ChatDelta(role="assistant", content="")
-        return [self._chunk(index, role, None, []) for index in range(self.num_choices)]
+        return [
+            self._chunk_of([r.ChatChunkChoice(index=index, delta=role)])
+            for index in range(self.num_choices)
+        ]
 
     def chunk(
         self,
@@ -179,11 +239,20 @@ class ChatFormat:
         finish_reason: str | None,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
-    ) -> BaseModel:
-        return self._chunk(index, r.ChatDelta(content=delta or None), finish_reason, logprobs)
+    ) -> str:
+        """The JSON of choice `index`'s next streamed chunk."""
+        if not (self.with_logprobs and logprobs):
+            return self._template.render(index, delta or None, finish_reason)
+        choice = r.ChatChunkChoice(
+            index=index,
+            delta=r.ChatDelta(content=delta or None),
+            finish_reason=finish_reason,
+            logprobs=self._logprobs(logprobs),
+        )
+        return self._chunk_of([choice]).model_dump_json()
 
     def usage_chunk(self, usage: r.Usage) -> BaseModel:
-        return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[], usage=usage)
+        return self._chunk_of([], usage)
 
     def response(self, outputs: list[ChoiceOutput], usage: r.Usage) -> BaseModel:
         choices = [
@@ -196,23 +265,15 @@ class ChatFormat:
             for i, o in enumerate(outputs)
         ]
         return r.ChatCompletionResponse(
-            id=self.request_id, model=self.model, choices=choices, usage=usage
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
 
-    def _chunk(
-        self,
-        index: int,
-        delta: r.ChatDelta,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob],
+    def _chunk_of(
+        self, choices: list[r.ChatChunkChoice], usage: r.Usage | None = None
     ) -> r.ChatCompletionChunk:
-        choice = r.ChatChunkChoice(
-            index=index,
-            delta=delta,
-            finish_reason=finish_reason,
-            logprobs=self._logprobs(logprobs) if logprobs else None,
+        return r.ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
-        return r.ChatCompletionChunk(id=self.request_id, model=self.model, choices=[choice])
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> r.ChatLogprobs | None:
         if not self.with_logprobs:
