@@ -121,18 +121,26 @@ class OutputRow(NamedTuple):
 
 
 def output_row(output: RequestOutput) -> OutputRow:
-    return OutputRow(
-        output.request_id,
-        output.new_token_ids,
-        output.delta_text,
-        output.finished,
-        output.finish_reason,
-        output.num_prompt_tokens,
-        output.num_output_tokens,
-        output.logprobs,
-        output.prompt_logprobs,
-        output.error,
+    # NOTE: tuple.__new__ skips the NamedTuple's __new__, a Python function: 14 against 21 us
+    # for a step of 64 rows, on the engine's step loop.
+    return _new_tuple(
+        OutputRow,
+        (
+            output.request_id,
+            output.new_token_ids,
+            output.delta_text,
+            output.finished,
+            output.finish_reason,
+            output.num_prompt_tokens,
+            output.num_output_tokens,
+            output.logprobs,
+            output.prompt_logprobs,
+            output.error,
+        ),
     )
+
+
+_new_tuple = tuple.__new__
 
 
 def request_output(row: OutputRow, text_before: str) -> RequestOutput:
@@ -185,6 +193,23 @@ class StepOutputs:
     is_step: bool  # False: sent after commands, no step ran
     failed: list[str] | None = None
     error: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: the rows cross the pipe as plain tuples. A NamedTuple pickles through a Python
+        # call per row and unpickles through another: a step of 64 rows took 58 us to encode
+        # in the engine process and 32 to decode in the server, now 19 and 25.
+        fields = (self.stats, self.is_step, self.failed, self.error)
+        return _step_outputs, ([tuple(row) for row in self.rows], *fields)
+
+
+def _step_outputs(
+    rows: list[tuple[Any, ...]],
+    stats: dict[str, Any],
+    is_step: bool,
+    failed: list[str] | None,
+    error: str | None,
+) -> StepOutputs:
+    return StepOutputs([_new_tuple(OutputRow, row) for row in rows], stats, is_step, failed, error)
 
 
 @dataclass(frozen=True)
