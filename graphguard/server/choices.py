@@ -92,24 +92,35 @@ async def sse_events(
     ctx: ServingContext, choices: list[Choice], fmt: OutputFormat, include_usage: bool
 ) -> AsyncIterator[str]:
     """Server-sent events: chunks as the choices produce them, each choice's last one with its
-    finish_reason, the usage summed over choices if asked for, then `[DONE]` once."""
+    finish_reason, the usage summed over choices if asked for, then `[DONE]` once.
+
+    What ends the stream (the last choice's last chunk, the usage, `[DONE]`) goes out as one
+    piece: one write to the socket instead of three, at the moment a whole batch of streams
+    ends together."""
+    ending = ""
+    num_running = len(choices)
     try:
         for chunk in fmt.opening():
             yield _sse(chunk)
         async with aclosing(merged_outputs(choices)) as outputs:
             async for choice, output in outputs:
                 choice.take(output)
+                num_running -= output.finished
                 if output.delta_text or output.finished:
-                    yield _event(choice.chunk(fmt, output))
+                    event = _event(choice.chunk(fmt, output))
+                    if num_running:
+                        yield event
+                    else:
+                        ending = event
         if include_usage:
-            yield _sse(fmt.usage_chunk(usage(choices)))
+            ending += _sse(fmt.usage_chunk(usage(choices)))
     except Exception as exc:  # the engine failed mid-stream: say so in-band, then end
         error = APIError(500, f"Generation failed: {exc}", error_type="server_error")
-        yield f"data: {json.dumps(error_body(error))}\n\n"
+        ending += f"data: {json.dumps(error_body(error))}\n\n"
     finally:
         # NOTE: runs on cancellation too, which is how a client disconnect arrives here.
         _release(ctx, choices)
-    yield DONE_EVENT
+    yield ending + DONE_EVENT
 
 
 async def merged_outputs(
