@@ -15,8 +15,9 @@ JSON rendered once per response (`ChunkTemplate`), not built as pydantic models 
 from __future__ import annotations
 
 import codecs
+import os
+import random
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -74,6 +75,20 @@ class _ChoiceText:
         return text, entries
 
 
+# Seeded from os.urandom once, and again in a forked child. A response id must be unique, not
+# secret: no endpoint takes one.
+_ID_BITS = random.Random()
+os.register_at_fork(after_in_child=_ID_BITS.seed)
+
+
+def response_id(prefix: str) -> str:
+    """A new response id, `prefix` and 32 hex digits, as OpenAI's look.
+
+    NOTE: not uuid4(): its os.urandom gives up the interpreter lock, and a busy event loop then
+    waits to take it back from the server's other threads, once per request."""
+    return f"{prefix}-{_ID_BITS.getrandbits(128):032x}"
+
+
 class ChunkTemplate:
     """A streamed chunk's JSON with three holes: its choice's index, text and finish reason.
 
@@ -116,7 +131,7 @@ class CompletionFormat:
         prompts: Sequence[CompletionPrompt],
         with_logprobs: bool = False,
     ) -> None:
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.request_id = response_id("cmpl")
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
@@ -211,7 +226,7 @@ class ChatFormat:
     def __init__(
         self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False, num_choices: int = 1
     ) -> None:
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.request_id = response_id("chatcmpl")
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer

@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphguard.server import responses as r
-from graphguard.server.formatting import ChatFormat, CompletionFormat, CompletionPrompt
+from graphguard.server.formatting import (
+    ChatFormat,
+    CompletionFormat,
+    CompletionPrompt,
+    response_id,
+)
 
 TOKENIZER: Any = None  # the chunks without logprobs never read it
 FINISH = st.sampled_from([None, "stop", "length", "abort"])
@@ -68,3 +73,12 @@ def test_every_chunk_of_a_response_carries_its_creation_time() -> None:
 
     created = {r.ChatCompletionChunk.model_validate_json(chunk).created for chunk in chunks}
     assert created == {fmt.created}
+
+
+def test_response_ids_are_openai_shaped_and_distinct() -> None:
+    ids = [response_id("cmpl") for _ in range(10_000)]
+
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 37 and int(i.removeprefix("cmpl-"), 16) >= 0 for i in ids)
+    assert CompletionFormat("m", TOKENIZER, []).request_id.startswith("cmpl-")
+    assert ChatFormat("m", TOKENIZER).request_id.startswith("chatcmpl-")
