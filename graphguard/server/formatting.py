@@ -94,7 +94,7 @@ class ChunkTemplate:
 
     It is `model_dump_json()` of a chunk holding marks in those places, split at the marks, so
     what `render` writes is what pydantic writes for the same chunk, byte for byte (a test
-    checks), at a tenth of the cost: about 0.5 against 5 us on the event loop per event.
+    checks), at a seventh of the cost: 0.6 against 4.3 us an event on the event loop.
     """
 
     INDEX = 987654321
