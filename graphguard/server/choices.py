@@ -95,8 +95,8 @@ async def sse_events(
     finish_reason, the usage summed over choices if asked for, then `[DONE]` once.
 
     What ends the stream (the last choice's last chunk, the usage, `[DONE]`) goes out as one
-    piece: one write to the socket instead of three, at the moment a whole batch of streams
-    ends together."""
+    piece: one write to the socket instead of three (two without the usage), at the moment a
+    whole batch of streams ends together."""
     ending = ""
     num_running = len(choices)
     try:

@@ -3,6 +3,8 @@ chunk, byte for byte, whatever the text, index, finish reason and model name."""
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 from hypothesis import given, settings
@@ -82,3 +84,19 @@ def test_response_ids_are_openai_shaped_and_distinct() -> None:
     assert all(len(i) == 37 and int(i.removeprefix("cmpl-"), 16) >= 0 for i in ids)
     assert CompletionFormat("m", TOKENIZER, []).request_id.startswith("cmpl-")
     assert ChatFormat("m", TOKENIZER).request_id.startswith("chatcmpl-")
+
+
+def test_a_forked_child_draws_other_response_ids_than_its_parent() -> None:
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():  # forking with threads running: the child only writes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        os.write(write_end, response_id("cmpl").encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end) as pipe:
+        child_id = pipe.read()
+
+    assert child_id.startswith("cmpl-") and child_id != response_id("cmpl")

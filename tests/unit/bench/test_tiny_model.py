@@ -7,9 +7,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.tiny_model import write_tiny_model
 from graphguard.engine.llm import LLM
 from graphguard.engine.tokens.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # converts the embedded model when no earlier test has
 
 
 def _digest(path: Path) -> str:
@@ -25,8 +29,16 @@ def test_the_tiny_model_loads_generates_and_is_written_the_same_twice(tmp_path: 
     weights = [_digest(tmp_path / name / "model.safetensors") for name in ("a", "b")]
     assert weights[0] == weights[1]
     llm = LLM(str(tmp_path / "a"), device="cpu")
-    assert llm.engine.tokenizer.vocab_size == config["vocab_size"] == 49152
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    (output,) = llm.generate(["Hello there"], params, use_tqdm=False)
-    assert len(output.token_ids) == 4
-    llm.engine.shutdown()
+    try:
+        assert llm.engine.tokenizer.vocab_size == config["vocab_size"] == 49152
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        (output,) = llm.generate(["Hello there"], params, use_tqdm=False)
+        assert len(output.token_ids) == 4
+    finally:
+        llm.engine.shutdown()
+
+
+def test_the_tiny_model_refuses_a_folder_with_files_in_it(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(SystemExit, match="not empty"):
+        write_tiny_model(tmp_path)
