@@ -330,8 +330,8 @@ def offline_rate(args: argparse.Namespace) -> float:
         **({"kernels": args.kernels} if args.kernels else {}),
     )
     # NOTE: as `graphguard serve` does once loaded (cli.prepare_interpreter): what was made
-    # so far leaves the collector's reach. Without it, full collections over torch and the
-    # model paused the offline steps (808 against 1,054 tok/s served at one stream, H200).
+    # so far leaves the collector's reach, so the offline side is timed at its best. On the
+    # H200 at one stream it made 808 tok/s without this and 937 with it (run 82).
     gc.collect()
     gc.freeze()
     try:
