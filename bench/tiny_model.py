@@ -29,6 +29,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def write_tiny_model(folder: Path, num_layers: int = 2, hidden_size: int = 64) -> None:
     """Write the tiny model into `folder`, new or empty."""
+    if folder.exists() and any(folder.iterdir()):
+        raise SystemExit(f"{folder} is not empty: name a new folder")
     embedded, _ = gguf_to_folder(embedded_gguf_path(), progress=False)
     source = json.loads((embedded / "config.json").read_text())
     config = transformers.LlamaConfig(
@@ -46,8 +48,6 @@ def write_tiny_model(folder: Path, num_layers: int = 2, hidden_size: int = 64) -
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     )
-    if folder.exists() and any(folder.iterdir()):
-        raise SystemExit(f"{folder} is not empty: name a new folder")
     folder.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng():  # seeded here, not for the caller
         torch.manual_seed(0)

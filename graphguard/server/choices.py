@@ -116,7 +116,7 @@ async def sse_events(
             ending += _sse(fmt.usage_chunk(usage(choices)))
     except Exception as exc:  # the engine failed mid-stream: say so in-band, then end
         error = APIError(500, f"Generation failed: {exc}", error_type="server_error")
-        ending += f"data: {json.dumps(error_body(error))}\n\n"
+        ending += _event(json.dumps(error_body(error)))
     finally:
         # NOTE: runs on cancellation too, which is how a client disconnect arrives here.
         _release(ctx, choices)

@@ -293,16 +293,20 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, reused: list[int]) -> int:
         """Blocks admitting `seq` takes from the pool: its own beyond the cached `reused`, a
         copy of the prompt's last block per fork, and the idle cached blocks it claims."""
-        num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
-        num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+        num_blocks, num_copies = self._prompt_blocks(seq)
         taken = self.prefix_cache.num_taken(reused) if self.prefix_cache is not None else 0
         return num_blocks - len(reused) + num_copies + taken
+
+    def _prompt_blocks(self, seq: Sequence) -> tuple[int, int]:
+        """The blocks `seq`'s tokens fill, and the copies of the prompt's last block its forks
+        need (none when that block is full)."""
+        num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+        return num_blocks_for(seq.num_tokens, self.block_size), num_copies
 
     def _start(self, seq: Sequence, reused: list[int], budget: int) -> int:
         """Give `seq` its blocks (the cached `reused` ones first) and a running slot; returns
         the tokens of its first chunk."""
-        num_blocks = num_blocks_for(seq.num_tokens, self.block_size)
-        num_copies = len(seq.forks) if seq.num_tokens % self.block_size else 0
+        num_blocks, num_copies = self._prompt_blocks(seq)
         if self.prefix_cache is not None:
             reused = self.prefix_cache.claim(seq, reused)  # NOTE: before allocating (evicts)
         seq.block_table = reused + self.kv.allocate(num_blocks - len(reused))
