@@ -89,19 +89,38 @@ def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: in
 def row_widths(
     kernels: TorchKernels, block_size: int, num_tokens: int, widths: Sequence[int]
 ) -> list[int]:
-    """The table widths of `widths` at which a prefill of `num_tokens` tokens runs as rows: up
-    to the width of one prompt of that many tokens, while the shortest context that needs the
-    width keeps the prefill within the kernel set's row area (2,048 short prompts' tokens run as
-    rows, one 2,048-token prompt does not); none where the kernel set runs no prefill as rows."""
+    """The table widths of `widths` at which a prefill of `num_tokens` tokens can run as rows:
+    those whose shortest context (the fewest tokens that need the width) keeps the prefill
+    within the kernel set's row area. A fresh prompt's rows stay at its own width; a chunk
+    that continues over a cached context (a question after a long document, a chat turn after
+    its history) runs at the context's. With the fused set, 32 tokens run as rows at every
+    width up to 32k-token contexts, 256 up to 4k, 2,048 up to 512; none where the kernel set
+    runs no prefill as rows."""
     if kernels.row_prefill_area <= 0:
         return []
-    top = width_bucket(-(-num_tokens // block_size))
     found = []
     for width in widths:
         shortest = 1 if width <= MIN_WIDTH_BLOCKS else (width // 2) * block_size + 1
-        if width <= top and prefills_as_rows(kernels, num_tokens, min(num_tokens, shortest)):
+        if prefills_as_rows(kernels, num_tokens, shortest):
             found.append(width)
     return found
+
+
+def continued_prefill_group(
+    kernels: TorchKernels, block_size: int, widths: Sequence[int], step_tokens: int
+) -> int | None:
+    """The packed prefill's token bucket that a lazy start captures as a group of segments
+    (graphs/component.py `_price_captures`): POWER_OF_TWO_PREFILL_TOKENS, the largest bucket
+    whose step is launch-bound, where a wave of short chunks over long cached contexts (many
+    clients' questions after one document) lands once it is too large to run as rows. None
+    where the kernel set runs no prefill as rows (every prefill is packed, and the smallest
+    group prices them), where a step holds fewer tokens, or where so many tokens run as rows
+    at every width of `widths` (short contexts)."""
+    tokens = POWER_OF_TWO_PREFILL_TOKENS
+    if kernels.row_prefill_area <= 0 or step_tokens < tokens:
+        return None
+    widest = max(widths)
+    return None if row_widths(kernels, block_size, tokens, [widest]) else tokens
 
 
 def warmup_shapes(

@@ -41,7 +41,12 @@ from graphguard.engine.graphs.runners import decode_runner, rows_runner, segment
 from graphguard.engine.graphs.warmup import prefill_knows_a_price, warm_decode, warm_prefill
 from graphguard.engine.models.forward import EagerForward
 from graphguard.engine.parallel.ranks import RankRole
-from graphguard.engine.shapes import MIN_PREFILL_TOKENS, MIN_WIDTH_BLOCKS, ROW_PREFILL_TOKENS
+from graphguard.engine.shapes import (
+    MIN_PREFILL_TOKENS,
+    MIN_WIDTH_BLOCKS,
+    ROW_PREFILL_TOKENS,
+    continued_prefill_group,
+)
 from graphguard.segmented import SegmentedRunner
 
 log = logging.getLogger("graphguard")
@@ -105,7 +110,8 @@ class EngineGraphs:
             len(report.captured), len(batch_sizes) * len(widths), report.seconds,
         )  # fmt: skip
         if self.prefill is not None and prefill_tokens:
-            report = self.warm_prefill(prefill_tokens, widths)
+            groups = self.continued_prefill_groups(prefill_tokens, widths)
+            report = self.warm_prefill(prefill_tokens, widths, groups=groups)
             log.info(
                 "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured), len(prefill_tokens), report.seconds,
@@ -122,11 +128,22 @@ class EngineGraphs:
         token_counts: Sequence[int],
         widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
         progress: bool = True,
+        groups: Sequence[int] = (),
     ) -> WarmupReport:
-        """Capture the prefill graphs of `token_counts` tokens now (graphs/warmup.py)."""
+        """Capture the prefill graphs of `token_counts` tokens now, and the groups of segments
+        of `groups` tokens (graphs/warmup.py)."""
         assert self.prefill is not None, "prefill graphs are off"
         rows, prefill = self.prefill_rows, self.prefill
-        return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress)
+        return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress, groups)
+
+    def continued_prefill_groups(
+        self, prefill_tokens: Sequence[int], widths: Sequence[int]
+    ) -> tuple[int, ...]:
+        """The group of segments a start captures for continued prefills too large to run as
+        rows (shapes.py `continued_prefill_group`), or none."""
+        kernels, block_size = self.forward.model.kernels, self.forward.kv.block_size
+        group = continued_prefill_group(kernels, block_size, widths, max(prefill_tokens, default=0))
+        return () if group is None else (group,)
 
     def _price_captures(
         self, warmup_keys: tuple[list[int], list[int]], prefill_tokens: Sequence[int]
@@ -138,6 +155,8 @@ class EngineGraphs:
         prefill as rows from the first step (keys.py `pad_ladder`: with the defaults, 64 and 2
         rows of decode, and 2,048, 256 and 32 tokens of rows, each at the widths it runs at).
         A short step is launch-bound, so a padded replay costs about what its own graph would.
+        Where contexts are long enough that a wave of short chunks over them cannot run as
+        rows, the group of segments of 512 packed tokens too (`continued_prefill_groups`).
         Without rows, the smallest prefill group. Not under tensor parallelism, where rank 0
         learns the price from the first capture earned."""
         if self.role is not None:
@@ -152,9 +171,11 @@ class EngineGraphs:
             self.forward, self.prefill_rows, prefill
         ):
             tokens = [MIN_PREFILL_TOKENS]
+            groups: tuple[int, ...] = ()
             if self.prefill_rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
-            reports.append(self.warm_prefill(tokens, widths, progress=False))
+                groups = self.continued_prefill_groups(prefill_tokens, widths)
+            reports.append(self.warm_prefill(tokens, widths, progress=False, groups=groups))
         log.info(
             "graphguard lazy start: %d graphs captured in %.2f s",
             sum(len(report.captured) for report in reports),

@@ -42,28 +42,32 @@ def warm_prefill(
     token_counts: Sequence[int],
     widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
     progress: bool = True,
+    groups: Sequence[int] = (),
 ) -> WarmupReport:
     """Capture the graphs of prefills of `token_counts` tokens: for a count that can run as
-    rows, one key per table width of `widths` that its prompts can have as rows (shapes.py
-    `row_widths`); for others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments. One
-    report for both."""
+    rows, one key per table width of `widths` at which it can (shapes.py `row_widths`); for
+    others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments; and the group of each
+    count of `groups` (packed at the widths where it cannot run as rows). One report."""
     device = forward.model.embed_tokens.weight.device
     examples: list[tuple[Tensor, ...]] = []
     keys = []
-    for num_tokens in token_counts:
-        widths_as_rows = _row_widths(forward, rows, num_tokens, widths)
+    for num_tokens in [*token_counts, *(g for g in groups if g not in token_counts)]:
+        widths_as_rows = []
+        if num_tokens in token_counts:
+            widths_as_rows = _row_widths(forward, rows, num_tokens, widths)
         examples += [padding_decode_batch(num_tokens, w, device) for w in widths_as_rows]
-        if not widths_as_rows and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
+        packed = not widths_as_rows and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS
+        if packed or num_tokens in groups:
             ids, positions, _ = dummy_prefill_inputs(num_tokens, forward.kv, device)
             keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None)))
     report = WarmupReport()
     if rows is not None and examples:
         report = rows.warmup(examples, progress=progress)
     if keys:
-        groups = segmented.warm_keys(keys, progress=progress)
-        report.captured += groups.captured
-        report.skipped.update(groups.skipped)
-        report.seconds += groups.seconds
+        segments = segmented.warm_keys(keys, progress=progress)
+        report.captured += segments.captured
+        report.skipped.update(segments.skipped)
+        report.seconds += segments.seconds
     return report
 
 

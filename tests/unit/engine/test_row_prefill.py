@@ -14,7 +14,12 @@ from graphguard.core.admission import AdmissionConfig
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.models.loader import LoadedModel
 from graphguard.engine.scheduling.kv import PagedKVStorage
-from graphguard.engine.shapes import ROW_PREFILL_TOKENS, prefills_as_rows
+from graphguard.engine.shapes import (
+    ROW_PREFILL_TOKENS,
+    continued_prefill_group,
+    prefills_as_rows,
+    row_widths,
+)
 from graphguard.engine.step import model_runner
 from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels.reference import TorchKernels
@@ -153,22 +158,53 @@ def test_padding_rows_write_only_the_dummy_block(tiny, rows_on):  # noqa: F811
         engine.shutdown()
 
 
-def test_a_warm_start_captures_each_token_bucket_at_the_widths_its_prompts_can_have(
+def test_a_warm_start_captures_each_token_bucket_at_every_width_it_can_run_as_rows(
     tiny,  # noqa: F811
     rows_on,
 ):
-    # 4-token blocks, 64-token sequences: width buckets 8 and 16 blocks
+    # 4-token blocks, 64-token sequences: width buckets 8 and 16 blocks. A prompt of 32
+    # tokens needs only 8, but 32 tokens that continue a cached context of 40 need 16
     engine = make_engine(tiny, graph_backend="sim", warmup_graphs=True)
     try:
         keys = engine.graphs.prefill_rows.admitted_keys()
         shapes = sorted(tuple(key.args[2].shape) for key in keys)
-        # up to 32 tokens one block table of 8 fits any prompt; 64 tokens may need 16
-        assert shapes == [(16, 8), (32, 8), (64, 8), (64, 16), (128, 8), (128, 16),
-                          (256, 8), (256, 16)]  # fmt: skip
+        assert shapes == [(rows, width) for rows in (16, 32, 64, 128, 256) for width in (8, 16)]
         assert engine.graphs.stats()["prefill"]["captures"] == 0  # every bucket runs as rows
         assert engine.kv.num_used_blocks == 0
     finally:
         engine.shutdown()
+
+
+class RowsKernels(TorchKernels):
+    row_prefill_area = ROWS_AREA
+
+
+WIDTHS = [8 << i for i in range(10)]  # 8 to 4,096 blocks of 16 tokens: up to 64k tokens
+
+
+@pytest.mark.parametrize(
+    "tokens,widest",
+    [(32, 2048), (256, 256), (512, 128), (2048, 32)],  # 32k, 4k, 2k and 512-token contexts
+)
+def test_a_prefill_runs_as_rows_at_every_width_whose_shortest_context_stays_in_the_area(
+    tokens, widest
+):
+    found = row_widths(RowsKernels(), 16, tokens, WIDTHS)
+    assert found == [width for width in WIDTHS if width <= widest]
+    # each width taken: some context needing it runs as rows; the next: none does
+    shortest = (widest // 2) * 16 + 1 if widest > 8 else 1
+    assert prefills_as_rows(RowsKernels(), tokens, shortest)
+    assert not prefills_as_rows(RowsKernels(), tokens, widest * 16 + 1)
+    assert row_widths(TorchKernels(), 16, tokens, WIDTHS) == []  # area 0: never as rows
+
+
+def test_a_start_captures_the_512_token_group_only_where_contexts_keep_it_from_rows():
+    kernels = RowsKernels()
+    # 512 tokens run as rows up to 2,048-token contexts (width 128): no group below that
+    assert continued_prefill_group(kernels, 16, WIDTHS[:5], 8192) is None
+    assert continued_prefill_group(kernels, 16, WIDTHS[:6], 8192) == 512
+    assert continued_prefill_group(kernels, 16, WIDTHS, 256) is None  # no step holds 512
+    assert continued_prefill_group(TorchKernels(), 16, WIDTHS, 8192) is None
 
 
 def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
@@ -177,9 +213,10 @@ def test_a_lazy_start_prices_the_rows_runner(tiny, rows_on):  # noqa: F811
         rows = engine.graphs.prefill_rows
         # the ladder of row buckets a pad factor of 4 apart, from the largest (this engine's
         # step budget, 256 tokens) down, at each table width they run as rows at: 256
-        # answers packed prefills of 64 to 256 tokens, 32 those of 16 and 32
+        # answers packed prefills of 64 to 256 tokens, 32 those of 16 and 32, whether over a
+        # context of 8 blocks or 16 (a short chunk that continues a cached context)
         shapes = sorted(tuple(key.args[2].shape) for key in rows.admitted_keys())
-        assert shapes == [(32, 8), (256, 8), (256, 16)]
+        assert shapes == [(32, 8), (32, 16), (256, 8), (256, 16)]
         assert rows.policy.knows_a_price
     finally:
         engine.shutdown()
@@ -203,8 +240,8 @@ def test_a_lazy_starts_short_prefills_ride_the_priced_rows_graphs(tiny, rows_on)
         rows = engine.graphs.stats()["prefill"]["rows"]
         # the wave rode the 256-token graph, the late prompt the 32-token one
         assert (rows["replays"], rows["covered"], rows["fallbacks"]) == (2, 2, {})
-        # the ladder (256 tokens at two widths, 32 at one), taken at start; none since
-        assert rows["captures"] == 3
+        # the ladder (256 and 32 tokens, each at two widths), taken at start; none since
+        assert rows["captures"] == 4
     finally:
         eager.shutdown()
         engine.shutdown()
@@ -218,7 +255,8 @@ def test_a_warm_start_captures_the_largest_row_bucket_for_short_prompts(tiny, ro
     try:
         shapes = {tuple(key.args[2].shape) for key in engine.graphs.prefill_rows.admitted_keys()}
         assert {(2048, 8), (2048, 16), (2048, 32), (1024, 32), (16, 8)} <= shapes
-        assert len(shapes) == 15  # 16-128 tokens: width 8; 256: 8, 16; 512-2,048: 8, 16, 32
+        # every bucket at every width: 2,048 tokens over a 257-token context stay in the area
+        assert len(shapes) == 8 * 3
         assert engine.graphs.stats()["prefill"]["captures"] == 0
     finally:
         engine.shutdown()
