@@ -23,6 +23,7 @@ class SplitPlan(NamedTuple):
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
+    fused_merge: bool = True  # the last split to finish merges the row (no merge launch)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class SplitRule:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
+    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         tile = self.block_n
@@ -76,7 +78,9 @@ class SplitRule:
         tile = self.block_n
         split_tokens = _cdiv(_cdiv(ctx_tokens, splits), tile) * tile
         num_splits = _cdiv(ctx_tokens, split_tokens)
-        return SplitPlan(num_splits, split_tokens, tile, self.num_warps, self.num_stages)
+        return SplitPlan(
+            num_splits, split_tokens, tile, self.num_warps, self.num_stages, self.fused_merge
+        )
 
 
 SPLIT_RULE = SplitRule()

@@ -3,20 +3,59 @@
 At batch 1-16 a decoder GEMM reads its weight once and does almost no arithmetic; cuBLAS runs it
 on a handful of 8x64 tiles (15 thread blocks for SmolLM2's q/k/v), so latency, not bandwidth,
 sets its time. Here every program owns BLOCK_N output features for all rows (rows padded to 16
-for the matrix unit) and walks the full K in one fixed order: many more programs in flight, and
-a result that does not depend on the batch it came in (each row is computed alone).
+for the matrix unit) and walks its share of K in one fixed order: many more programs in flight,
+and a result that does not depend on the batch it came in (each row is computed alone).
+
+A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
+on a GPU of 132 SMs) also splits K (`plan_linear`): each split writes a float32 partial, and the
+last of a column block's splits to finish (an arrival counter, reset by that program) adds the
+partials in split order and writes the output. The sum's order is fixed, so the result is the
+same bits on every call, in any batch, eager or replayed.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphguard.kernels.arrivals import MAX_UNITS, arrival_counters
+
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
-BLOCK_K = 128
+# Programs a launch aims for: K splits until the column blocks times the splits reach it.
+TARGET_PROGRAMS = 256
+MAX_SPLITS = 8
+
+
+class LinearPlan(NamedTuple):
+    """How `few_rows_linear` walks a weight: K in `splits` equal parts of `block_k`-wide tiles,
+    with the given warps and pipeline stages."""
+
+    splits: int = 1
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def plan_linear(num_in: int, num_out: int) -> LinearPlan:
+    """The plan for a weight of `num_out` x `num_in`: a split of K while the column blocks are
+    fewer than TARGET_PROGRAMS, each split a whole number of tiles (a function of the weight's
+    shape only, so a row's bits do not depend on its batch)."""
+    plan = LinearPlan()
+    blocks = triton.cdiv(num_out, BLOCK_N)
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and blocks * splits < TARGET_PROGRAMS
+        and num_in % (2 * splits * plan.block_k) == 0
+        and blocks <= MAX_UNITS
+    ):
+        splits *= 2
+    return plan._replace(splits=splits)
 
 
 @triton.jit
@@ -24,6 +63,8 @@ def _few_rows_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     num_rows,
     num_out,
     stride_x,
@@ -32,14 +73,18 @@ def _few_rows_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, ROWS)
     is_col, is_row = cols < num_out, rows < num_rows
+    span: tl.constexpr = NUM_IN // SPLITS  # the host splits only a K of whole tiles
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for first in range(0, NUM_IN, BLOCK_K):
-        ks = first + tl.arange(0, BLOCK_K)
+    for tile in range(tl.cdiv(span, BLOCK_K)):
+        ks = split * span + tile * BLOCK_K + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
         x = tl.load(
             x_ptr + rows[:, None] * stride_x + ks[None, :],
@@ -52,8 +97,25 @@ def _few_rows_kernel(
             other=0.0,
         )
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    mask = is_row[:, None] & is_col[None, :]
     dest = out_ptr + rows[:, None] * num_out + cols[None, :]
-    tl.store(dest, acc.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & is_col[None, :])
+    if SPLITS == 1:
+        tl.store(dest, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        parts = part_ptr + rows[:, None] * num_out + cols[None, :]
+        tl.store(parts + split * ROWS * num_out, acc, mask=mask)
+        # NOTE: every thread's partial is written before the arrival is counted (the barrier,
+        # then a release at GPU scope); the last to arrive acquires them all.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for part in tl.static_range(SPLITS):  # in split order: the same bits every call
+                total += tl.load(
+                    parts + part * ROWS * num_out, mask=mask, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(dest, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # the next call's
 
 
 def can_take(x: Tensor, weight: Tensor) -> bool:
@@ -67,17 +129,26 @@ def can_take(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-def few_rows_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """``x [M, K] @ weight[N, K].T`` for M <= MAX_ROWS, float32 accumulation."""
+def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -> Tensor:
+    """``x [M, K] @ weight[N, K].T`` for M <= MAX_ROWS, float32 accumulation; `plan` defaults
+    to `plan_linear`'s for the weight (benchmarks and tests try others)."""
     if not can_take(x, weight):
         raise ValueError(f"few_rows_linear takes 1-{MAX_ROWS} unit-stride rows: {x.shape}")
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
+    plan = plan_linear(num_in, num_out) if plan is None else plan
+    blocks = triton.cdiv(num_out, BLOCK_N)
+    if plan.splits > 1 and (num_in % (plan.splits * plan.block_k) or blocks > MAX_UNITS):
+        raise ValueError(f"{plan} does not split K={num_in} into whole tiles")
     out = x.new_empty((num_rows, num_out))
-    _few_rows_kernel[(triton.cdiv(num_out, BLOCK_N),)](
-        x, weight, out, num_rows, num_out, x.stride(0), weight.stride(0),
-        NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    parts = counters = out
+    if plan.splits > 1:
+        parts = x.new_empty((plan.splits, MAX_ROWS, num_out), dtype=torch.float32)
+        counters = arrival_counters(x.device)
+    _few_rows_kernel[(blocks, plan.splits)](
+        x, weight, out, parts, counters, num_rows, num_out, x.stride(0), weight.stride(0),
+        NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out

@@ -15,7 +15,8 @@ from graphguard.engine.config import PRESETS
 from graphguard.engine.models import build_model
 from graphguard.engine.models.forward import EagerForward
 from graphguard.engine.scheduling.kv import PagedKVStorage
-from graphguard.kernels import KernelChoice, TorchKernels, select_kernels
+from graphguard.kernels import KernelChoice, TorchKernels, select_kernels, triton_linear
+from graphguard.kernels.arrivals import arrival_counters
 from tests.kernel_cases import (
     BLOCK_SIZE,
     HEADS,
@@ -52,7 +53,10 @@ def test_add_rms_norm_matches_reference(fused, num_rows, hidden):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize(
+    "out_features,in_features",
+    [(960, 576), (3072, 576), (576, 1536), (1024, 3072), (1024, 2048)],  # the last two split K
+)
 def test_linear_matches_reference_and_keeps_a_rows_bits_in_any_batch(
     fused, rows, out_features, in_features
 ):
@@ -62,6 +66,26 @@ def test_linear_matches_reference_and_keeps_a_rows_bits_in_any_batch(
     assert rel_error(out, REFERENCE.linear(x.float(), weight.float())) < TOLERANCE
     if rows <= 16:  # the few-rows kernel: a row alone gives the same bits
         assert torch.equal(out[:1], fused.linear(x[:1], weight))
+
+
+def test_a_split_linear_gives_the_same_bits_on_every_call_and_replay(fused):
+    """K split over programs whose last to arrive adds the partials in split order: the
+    same bits eager, again, and from a graph replayed many times (the arrival counters are
+    left at zero by each launch)."""
+    x = torch.randn(16, 3072, device="cuda").to(BF16)
+    weight = (torch.randn(1024, 3072, device="cuda") / 3072**0.5).to(BF16)
+    assert triton_linear.plan_linear(3072, 1024).splits > 1
+    eager = fused.linear(x, weight)
+    assert all(torch.equal(eager, fused.linear(x, weight)) for _ in range(20))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused.linear(x, weight)
+    for _ in range(50):
+        replayed.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(eager, replayed)
+    assert not arrival_counters(x.device).any()
 
 
 def test_silu_mul_matches_reference(fused):

@@ -1,0 +1,119 @@
+"""The decode step's GEMMs of 1-16 rows (`triton_linear.few_rows_linear`) under plans side by
+side: device time per call and the fraction of the weight-read floor.
+
+Each of a model shape's four decode GEMMs (q/k/v, o_proj, gate/up, down_proj) runs over one
+weight per layer (distinct weights, so each call reads its weight from HBM as a decode step
+does, not from L2), as a raw CUDA graph of all the layers' calls; the time is the replay's
+over the layers. Plans: the engine's (`plan_linear`), the kernel before K was split (tiles of
+128, 3 stages), and with `--grid` every combination of splits, tile, warps and stages.
+
+    python bench/few_rows_linear.py [--shape qwen3-0.6b] [--rows 1,16] [--grid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timing import graph_replay_ms, write_json  # noqa: E402
+from graphguard.kernels import triton_linear  # noqa: E402
+from graphguard.kernels.triton_linear import LinearPlan  # noqa: E402
+
+HBM_BYTES_PER_S = 4.25e12
+# (hidden, q heads x head_dim, kv heads x head_dim, intermediate, layers)
+SHAPES = {
+    "qwen3-0.6b": (1024, 2048, 1024, 3072, 28),
+    "llama-3.1-8b": (4096, 4096, 1024, 14336, 8),  # 8 of 32 layers: 3.5 GB, far past L2
+}
+BEFORE = LinearPlan(splits=1, block_k=128, num_warps=4, num_stages=3)
+
+
+def gemms(shape: str) -> dict[str, tuple[int, int]]:
+    """name -> (out features, in features) of a layer's decode GEMMs."""
+    hidden, q_dim, kv_dim, inter, _ = SHAPES[shape]
+    return {
+        "qkv": (q_dim + 2 * kv_dim, hidden),
+        "o_proj": (hidden, q_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+    }
+
+
+def plans(num_in: int, num_out: int, grid: bool) -> dict[str, LinearPlan]:
+    found = {"engine": triton_linear.plan_linear(num_in, num_out), "before": BEFORE}
+    if not grid:
+        return found
+    knobs = itertools.product((1, 2, 4, 8), (128, 256, 512), ((4, 3), (4, 5), (8, 4)))
+    for splits, block_k, (warps, stages) in knobs:
+        if splits > 1 and num_in % (splits * block_k):
+            continue
+        found[f"k{splits} t{block_k} w{warps} s{stages}"] = LinearPlan(
+            splits, block_k, warps, stages
+        )
+    return found
+
+
+def measure(shape: str, rows: int, grid: bool) -> list[dict]:
+    layers = SHAPES[shape][-1]
+    results: list[dict] = []
+    for name, (num_out, num_in) in gemms(shape).items():
+        weights = [
+            torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) / num_in**0.5
+            for _ in range(layers)
+        ]
+        x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
+        floor_us = 1e6 * num_out * num_in * 2 / HBM_BYTES_PER_S
+        for label, plan in plans(num_in, num_out, grid).items():
+
+            def step(plan: LinearPlan = plan, x: torch.Tensor = x, weights: list = weights) -> None:
+                for weight in weights:
+                    triton_linear.few_rows_linear(x, weight, plan)
+
+            try:
+                us = 1e3 * graph_replay_ms(step, replays=30) / layers
+            except Exception as exc:  # noqa: BLE001 - a tile set past the shared memory, say
+                print(f"  {name:>8} x{rows:<2} {label:>18}: {type(exc).__name__}", flush=True)
+                continue
+            results.append(dict(shape=shape, gemm=name, rows=rows, plan=label, us=us,
+                                fraction=floor_us / us, knobs=plan._asdict()))  # fmt: skip
+        del weights
+        best = min((r for r in results if r["gemm"] == name and r["rows"] == rows),
+                   key=lambda r: r["us"])  # fmt: skip
+        engine = next(r for r in results if r["gemm"] == name and r["rows"] == rows
+                      and r["plan"] == "engine")  # fmt: skip
+        before = next(r for r in results if r["gemm"] == name and r["rows"] == rows
+                      and r["plan"] == "before")  # fmt: skip
+        print(f"  {shape} {name:>8} ({num_out}x{num_in}) x{rows:<2}: floor {floor_us:5.1f} us; "
+              f"engine {engine['us']:5.1f} ({100 * engine['fraction']:3.0f}%), "
+              f"before {before['us']:5.1f} ({100 * before['fraction']:3.0f}%), "
+              f"best {best['plan']} {best['us']:5.1f} ({100 * best['fraction']:3.0f}%)",
+              flush=True)  # fmt: skip
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--grid", action="store_true", help="every combination of the knobs")
+    args = parser.parse_args()
+    results = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        results += measure(args.shape, rows, args.grid)
+    path = write_json(f"few_rows_linear_{args.shape}.json", dict(results=results))
+    for rows in sorted({r["rows"] for r in results}):
+        total = {label: sum(r["us"] for r in results if r["rows"] == rows and r["plan"] == label)
+                 for label in ("engine", "before")}  # fmt: skip
+        print(f"{args.shape} x{rows}: a layer's four GEMMs {total['engine']:.1f} us "
+              f"(before: {total['before']:.1f})")  # fmt: skip
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()
