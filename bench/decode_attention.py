@@ -41,7 +41,6 @@ RULES = {
     "tiles of 128, 8 warps": dataclasses.replace(SPLIT_RULE, block_n=128, num_warps=8),
     "3 stages": dataclasses.replace(SPLIT_RULE, num_stages=3),
     "8 warps": dataclasses.replace(SPLIT_RULE, num_warps=8),
-    "merge kernel": dataclasses.replace(SPLIT_RULE, fused_merge=False),
 }
 
 

@@ -23,7 +23,6 @@ class SplitPlan(NamedTuple):
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
-    fused_merge: bool = True  # the last split to finish merges the row (no merge launch)
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,6 @@ class SplitRule:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
-    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         tile = self.block_n
@@ -78,9 +76,7 @@ class SplitRule:
         tile = self.block_n
         split_tokens = _cdiv(_cdiv(ctx_tokens, splits), tile) * tile
         num_splits = _cdiv(ctx_tokens, split_tokens)
-        return SplitPlan(
-            num_splits, split_tokens, tile, self.num_warps, self.num_stages, self.fused_merge
-        )
+        return SplitPlan(num_splits, split_tokens, tile, self.num_warps, self.num_stages)
 
 
 SPLIT_RULE = SplitRule()

@@ -4,10 +4,9 @@ Each program of the first kernel takes one row, one KV head and one split of the
 loads the group's query heads once, walks only the split's real tokens (up to the row's
 length, never the padded width) through the block table, and keeps an online softmax. With one
 split it writes the output directly; otherwise it writes a normalized partial and its
-log-sum-exp, and the last split of the row's KV head to finish (an arrival counter,
-graphguard/kernels/arrivals.py) merges the row's partials for the group's query heads, a chunk
-of splits at a time, in split order (or, with `fused_merge` off, a second kernel does). A split
-past the row's end does nothing at all, so a padding row costs its programs' launch only.
+log-sum-exp, and a second kernel merges a row's partials, a chunk of splits at a time, in split
+order. A split past the row's end does nothing at all, so a padding row costs its programs'
+launch only.
 
 NOTE: deterministic, and the same in any batch: the split plan (graphguard/kernels/
 decode_plan.py) depends only on the table width and the KV heads, each split's tokens are
@@ -23,7 +22,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.arrivals import MAX_UNITS, arrival_counters
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule
 
 MERGE_CHUNK = 16  # splits the merge loads at once: a few round trips, not one per split
@@ -82,7 +80,6 @@ def _partial_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    count_ptr,
     scale,
     stride_table,
     num_splits,
@@ -95,11 +92,8 @@ def _partial_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_TILES: tl.constexpr,  # the interpreter's trip count (split_tokens / BLOCK_N)
-    NUM_CHUNKS: tl.constexpr,  # the interpreter's trip count of a merge (num_splits / CHUNK)
-    CHUNK: tl.constexpr,
     DYNAMIC_LOOP: tl.constexpr,
     DIRECT: tl.constexpr,
-    MERGE: tl.constexpr,  # the last split of a row's KV head to finish merges the row's splits
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -117,28 +111,6 @@ def _partial_kernel(
             tl.minimum(start + split_tokens, seq_len), GROUP, BLOCK_H, NUM_KV_HEADS, HEAD_DIM,
             ROW_STRIDE, BLOCK_SIZE, BLOCK_N, SPLIT_TILES, DYNAMIC_LOOP, DIRECT, PRECISION,
         )  # fmt: skip
-        if MERGE:
-            # NOTE: every thread's partial is written before the arrival is counted (the
-            # barrier, then a release at GPU scope); the last to arrive acquires them all
-            tl.debug_barrier()
-            counter = count_ptr + seq * NUM_KV_HEADS + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == (seq_len + split_tokens - 1) // split_tokens - 1:
-                for head in tl.static_range(GROUP):
-                    _merge_row(
-                        part_out_ptr, part_lse_ptr, out_ptr, (seq * NUM_KV_HEADS + kv_head) *
-                        GROUP + head, seq_len, split_tokens, num_splits, NUM_CHUNKS, CHUNK,
-                        HEAD_DIM, DYNAMIC_LOOP,
-                    )  # fmt: skip
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # the next launch's
-    if MERGE:
-        if (split == 0) & (seq_len == 0):  # a padding row of length 0: no split arrives
-            for head in tl.static_range(GROUP):
-                _merge_row(
-                    part_out_ptr, part_lse_ptr, out_ptr, (seq * NUM_KV_HEADS + kv_head) * GROUP
-                    + head, seq_len, split_tokens, num_splits, NUM_CHUNKS, CHUNK, HEAD_DIM,
-                    DYNAMIC_LOOP,
-                )  # fmt: skip
 
 
 @triton.jit
@@ -206,13 +178,10 @@ def _merge_chunk(
     chunks overlap instead of waiting on each other."""
     splits = first + tl.arange(0, CHUNK)
     used = splits < num_used
-    # NOTE: from L2 (.cg): in the fused merge, other SMs wrote these partials in this launch
-    lse = tl.load(
-        part_lse_ptr + first_part + splits, mask=used, other=float("-inf"), cache_modifier=".cg"
-    )
+    lse = tl.load(part_lse_ptr + first_part + splits, mask=used, other=float("-inf"))
     values = tl.load(
         part_out_ptr + (first_part + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=used[:, None], other=0.0, cache_modifier=".cg",
+        mask=used[:, None], other=0.0,
     )  # fmt: skip
     # NOTE: a used split holds at least one token, so its lse (and m_new) is finite
     m_new = tl.maximum(m, tl.max(lse, axis=0))
@@ -220,37 +189,6 @@ def _merge_chunk(
     beta = tl.exp(lse - m_new)  # 0 for the chunk's unused splits
     acc = acc * alpha + tl.sum(values * beta[:, None], axis=0)
     return m_new, total * alpha + tl.sum(beta, axis=0), acc
-
-
-@triton.jit
-def _merge_row(
-    part_out_ptr, part_lse_ptr, out_ptr, row, seq_len, split_tokens, num_splits,
-    NUM_CHUNKS: tl.constexpr, CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DYNAMIC_LOOP: tl.constexpr,
-):  # fmt: skip
-    """Merge the partials of one row's query head (`row`: its index over rows x heads) into
-    its output, chunks in split order (each reduced in one fixed order: deterministic)."""
-    num_used = (seq_len + split_tokens - 1) // split_tokens
-    first_part = row * num_splits
-    dims = tl.arange(0, HEAD_DIM)
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    if DYNAMIC_LOOP:
-        for first in range(0, num_used, CHUNK):
-            m, total, acc = _merge_chunk(
-                part_out_ptr, part_lse_ptr, first_part, first, num_used, dims, m, total, acc,
-                CHUNK, HEAD_DIM,
-            )  # fmt: skip
-    else:
-        for chunk in range(NUM_CHUNKS):
-            if chunk * CHUNK < num_used:
-                m, total, acc = _merge_chunk(
-                    part_out_ptr, part_lse_ptr, first_part, chunk * CHUNK, num_used, dims, m,
-                    total, acc, CHUNK, HEAD_DIM,
-                )  # fmt: skip
-    out = acc / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_tokens"])
@@ -269,11 +207,30 @@ def _merge_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    row = seq * num_heads + head
     seq_len = tl.load(seq_lens_ptr + seq)
-    _merge_row(
-        part_out_ptr, part_lse_ptr, out_ptr, seq * num_heads + head, seq_len, split_tokens,
-        num_splits, NUM_CHUNKS, CHUNK, HEAD_DIM, DYNAMIC_LOOP,
-    )  # fmt: skip
+    num_used = (seq_len + split_tokens - 1) // split_tokens
+    first_part = row * num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    # NOTE: chunks in split order, each reduced in one fixed order: the merge is deterministic
+    if DYNAMIC_LOOP:
+        for first in range(0, num_used, CHUNK):
+            m, total, acc = _merge_chunk(
+                part_out_ptr, part_lse_ptr, first_part, first, num_used, dims, m, total, acc,
+                CHUNK, HEAD_DIM,
+            )  # fmt: skip
+    else:
+        for chunk in range(NUM_CHUNKS):
+            if chunk * CHUNK < num_used:
+                m, total, acc = _merge_chunk(
+                    part_out_ptr, part_lse_ptr, first_part, chunk * CHUNK, num_used, dims, m,
+                    total, acc, CHUNK, HEAD_DIM,
+                )  # fmt: skip
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
 # Kernels run by Triton's CPU interpreter (TRITON_INTERPRET=1, the CPU tests) take the loop form
@@ -304,17 +261,12 @@ def decode_attention(
     if num_seqs == 0:
         return out
     plan = rule.plan(block_tables.shape[1] * block_size, num_kv_heads)
-    part_out = part_lse = counters = out
-    # the splits merge themselves (one launch) where the rows' counters fit
-    merge = plan.num_splits > 1 and plan.fused_merge and num_seqs * num_kv_heads <= MAX_UNITS
+    part_out = part_lse = out
     if plan.num_splits > 1:
         part_out = q.new_empty((*q.shape[:2], plan.num_splits, head_dim), dtype=torch.float32)
         part_lse = q.new_empty((*q.shape[:2], plan.num_splits), dtype=torch.float32)
-    if merge:
-        counters = arrival_counters(q.device)
-    num_chunks = triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1
     _partial_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         scale, block_tables.stride(0), plan.num_splits, plan.split_tokens,
         GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
@@ -324,15 +276,14 @@ def decode_attention(
         # NOTE: on the device the split's length is a runtime value: one compile serves every
         # width (only the interpreter needs its trip count as a constant).
         SPLIT_TILES=plan.split_tokens // plan.block_n if _INTERPRETED else 1,
-        NUM_CHUNKS=num_chunks, CHUNK=MERGE_CHUNK,
-        DYNAMIC_LOOP=not _INTERPRETED, DIRECT=plan.num_splits == 1, MERGE=merge,
+        DYNAMIC_LOOP=not _INTERPRETED, DIRECT=plan.num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
-    if plan.num_splits > 1 and not merge:
+    if plan.num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
-            NUM_CHUNKS=num_chunks, CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim,
-            DYNAMIC_LOOP=not _INTERPRETED, num_warps=2,
+            NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
+            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, num_warps=2,
         )  # fmt: skip
     return out

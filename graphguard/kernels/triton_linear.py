@@ -7,10 +7,10 @@ for the matrix unit) and walks its share of K in one fixed order: many more prog
 and a result that does not depend on the batch it came in (each row is computed alone).
 
 A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
-on a GPU of 132 SMs) also splits K (`plan_linear`): each split writes a float32 partial, and the
-last of a column block's splits to finish (an arrival counter, reset by that program) adds the
-partials in split order and writes the output. The sum's order is fixed, so the result is the
-same bits on every call, in any batch, eager or replayed.
+on a GPU of 132 SMs) also splits K (`plan_linear`; in two there): each split writes a float32
+partial, and the last of a column block's splits to finish (an arrival counter, reset by that
+program) adds the partials in split order and writes the output. The sum's order is fixed, so
+the result is the same bits on every call, in any batch, eager or replayed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from graphguard.kernels.arrivals import MAX_UNITS, arrival_counters
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
 # Programs a launch aims for: K splits until the column blocks times the splits reach it.
-TARGET_PROGRAMS = 256
+TARGET_PROGRAMS = 128
 MAX_SPLITS = 8
 
 
@@ -36,9 +36,9 @@ class LinearPlan(NamedTuple):
     with the given warps and pipeline stages."""
 
     splits: int = 1
-    block_k: int = 256
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 5
 
 
 def plan_linear(num_in: int, num_out: int) -> LinearPlan:

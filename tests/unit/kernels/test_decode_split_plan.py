@@ -5,7 +5,6 @@ bucket (its own, or a larger one it rides). Run by Triton's CPU interpreter, at 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -18,7 +17,6 @@ from graphguard.core.keys import Buckets  # noqa: E402
 from graphguard.engine.config import GraphConfig  # noqa: E402
 from graphguard.engine.shapes import DECODE_PAD, width_bucket  # noqa: E402
 from graphguard.kernels import triton_decode  # noqa: E402
-from graphguard.kernels.arrivals import arrival_counters  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
 from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
 
@@ -129,22 +127,6 @@ def test_any_rule_gives_the_reference(rule):
     q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
     actual = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
     assert rel_error(actual, reference(q, cache, tables, seq_lens, 0.1)) < TOLERANCE[torch.float32]
-
-
-def test_the_last_split_to_finish_merges_as_the_merge_kernel_does():
-    """With fused_merge the last split of a row's KV head to finish merges the row (no second
-    launch); the same bits as the merge kernel's, padding rows of length 0 still zeros, and
-    every arrival counter back at zero for the next launch."""
-    heads = HEADS[1]
-    q, cache, tables, seq_lens = paged_batch(heads, [0, 1088, 77, 500], 68, torch.float32, "cpu")
-    rule = SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64)
-    assert rule.plan(68 * 16, heads.num_kv_heads).num_splits > triton_decode.MERGE_CHUNK
-    fused = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
-    apart = dataclasses.replace(rule, fused_merge=False)
-    assert torch.equal(fused, triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1,
-                                                             rule=apart))  # fmt: skip
-    assert not fused[0].any()
-    assert not arrival_counters(torch.device("cpu")).any()
 
 
 def test_an_unusable_rule_is_refused():
