@@ -46,7 +46,11 @@ def gemms(shape: str) -> dict[str, tuple[int, int]]:
 
 
 def plans(num_in: int, num_out: int, grid: bool) -> dict[str, LinearPlan]:
-    found = {"engine": triton_linear.plan_linear(num_in, num_out), "before": BEFORE}
+    found = {
+        "engine": triton_linear.plan_linear(num_in, num_out),
+        "split": triton_linear.plan_linear(num_in, num_out, split=True),
+        "before": BEFORE,
+    }
     if not grid:
         return found
     knobs = itertools.product((1, 2, 4, 8), (128, 256, 512), ((4, 3), (4, 5), (8, 4)))

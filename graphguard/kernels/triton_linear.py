@@ -7,7 +7,8 @@ for the matrix unit) and walks its share of K in one fixed order: many more prog
 and a result that does not depend on the batch it came in (each row is computed alone).
 
 A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
-on a GPU of 132 SMs) also splits K (`plan_linear`; in two there): each split writes a float32
+on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`; in two there, not by
+default: see its NOTE): each split writes a float32
 partial, and the last of a column block's splits to finish (an arrival counter, reset by that
 program) adds the partials in split order and writes the output. The sum's order is fixed, so
 the result is the same bits on every call, in any batch, eager or replayed.
@@ -26,9 +27,14 @@ from graphguard.kernels.arrivals import MAX_UNITS, arrival_counters
 
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
-# Programs a launch aims for: K splits until the column blocks times the splits reach it.
+# Programs a split plan aims for: K splits until the column blocks times the splits reach it.
 TARGET_PROGRAMS = 128
 MAX_SPLITS = 8
+# NOTE: the engine's plans do not split K. Launches that share the arrival counters must not
+# run side by side on the device, and a capture's warm-up on its own stream may run beside a
+# step still in flight: with split plans, run 87 found staggered batches' greedy tokens changed
+# (tests/gpu/test_engine_gpu.py). `plan_linear(..., split=True)` gives the split plan, for the
+# benchmarks and the tests.
 
 
 class LinearPlan(NamedTuple):
@@ -41,15 +47,16 @@ class LinearPlan(NamedTuple):
     num_stages: int = 5
 
 
-def plan_linear(num_in: int, num_out: int) -> LinearPlan:
-    """The plan for a weight of `num_out` x `num_in`: a split of K while the column blocks are
-    fewer than TARGET_PROGRAMS, each split a whole number of tiles (a function of the weight's
-    shape only, so a row's bits do not depend on its batch)."""
+def plan_linear(num_in: int, num_out: int, split: bool = False) -> LinearPlan:
+    """The plan for a weight of `num_out` x `num_in`; with `split`, K split while the column
+    blocks are fewer than TARGET_PROGRAMS, each split a whole number of tiles (a function of
+    the weight's shape only, so a row's bits do not depend on its batch)."""
     plan = LinearPlan()
     blocks = triton.cdiv(num_out, BLOCK_N)
     splits = 1
     while (
-        splits < MAX_SPLITS
+        split
+        and splits < MAX_SPLITS
         and blocks * splits < TARGET_PROGRAMS
         and num_in % (2 * splits * plan.block_k) == 0
         and blocks <= MAX_UNITS

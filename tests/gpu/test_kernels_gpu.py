@@ -55,7 +55,7 @@ def test_add_rms_norm_matches_reference(fused, num_rows, hidden):
 @pytest.mark.parametrize("rows", [1, 3, 16, 17])
 @pytest.mark.parametrize(
     "out_features,in_features",
-    [(960, 576), (3072, 576), (576, 1536), (1024, 3072), (1024, 2048)],  # the last two split K
+    [(960, 576), (3072, 576), (576, 1536), (1024, 3072), (1024, 2048)],
 )
 def test_linear_matches_reference_and_keeps_a_rows_bits_in_any_batch(
     fused, rows, out_features, in_features
@@ -74,12 +74,14 @@ def test_a_split_linear_gives_the_same_bits_on_every_call_and_replay(fused):
     left at zero by each launch)."""
     x = torch.randn(16, 3072, device="cuda").to(BF16)
     weight = (torch.randn(1024, 3072, device="cuda") / 3072**0.5).to(BF16)
-    assert triton_linear.plan_linear(3072, 1024).splits > 1
-    eager = fused.linear(x, weight)
-    assert all(torch.equal(eager, fused.linear(x, weight)) for _ in range(20))
+    plan = triton_linear.plan_linear(3072, 1024, split=True)
+    assert plan.splits > 1
+    linear = triton_linear.few_rows_linear
+    eager = linear(x, weight, plan)
+    assert all(torch.equal(eager, linear(x, weight, plan)) for _ in range(20))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = fused.linear(x, weight)
+        replayed = linear(x, weight, plan)
     for _ in range(50):
         replayed.zero_()
         graph.replay()

@@ -22,6 +22,7 @@ from graphguard.kernels import (  # noqa: E402
     triton_norm,
     triton_rope,
 )
+from graphguard.kernels.arrivals import arrival_counters  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     HEADS,
     REFERENCE,
@@ -59,6 +60,19 @@ def test_few_rows_linear_matches_reference(dtype, rows, outs, ins):
     weight = (torch.randn(outs, ins) / ins**0.5).to(dtype)
     expected = REFERENCE.linear(x.float(), weight.float())
     assert rel_error(triton_linear.few_rows_linear(x, weight), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_a_split_k_linear_matches_the_reference_and_leaves_its_counters_at_zero(rows):
+    x = torch.randn(rows, 1024).half()
+    weight = (torch.randn(64, 1024) / 32).half()
+    plan = triton_linear.LinearPlan(splits=4, block_k=128)
+    out = triton_linear.few_rows_linear(x, weight, plan)
+    assert rel_error(out, REFERENCE.linear(x.float(), weight.float())) < TOLERANCE[torch.float16]
+    assert torch.equal(out[:1], triton_linear.few_rows_linear(x[:1], weight, plan))
+    assert not arrival_counters(torch.device("cpu")).any()
+    assert triton_linear.plan_linear(1024, 64).splits == 1  # the engine's plans do not split
+    assert triton_linear.plan_linear(1024, 64, split=True).splits == 8
 
 
 def test_few_rows_linear_gives_a_row_the_same_bits_in_any_batch():
