@@ -107,17 +107,18 @@ def row_widths(
 
 
 def continued_prefill_group(
-    kernels: TorchKernels, block_size: int, widths: Sequence[int], step_tokens: int
+    kernels: TorchKernels, block_size: int, widths: Sequence[int], largest_bucket: int
 ) -> int | None:
     """The packed prefill's token bucket that a lazy start captures as a group of segments
     (graphs/component.py `_price_captures`): POWER_OF_TWO_PREFILL_TOKENS, the largest bucket
     whose step is launch-bound, where a wave of short chunks over long cached contexts (many
     clients' questions after one document) lands once it is too large to run as rows. None
     where the kernel set runs no prefill as rows (every prefill is packed, and the smallest
-    group prices them), where a step holds fewer tokens, or where so many tokens run as rows
-    at every width of `widths` (short contexts)."""
+    group prices them), where no step's prefill reaches that bucket (`largest_bucket`: the
+    largest of warmup_prefill_tokens), or where so many tokens run as rows at every width of
+    `widths` (short contexts)."""
     tokens = POWER_OF_TWO_PREFILL_TOKENS
-    if kernels.row_prefill_area <= 0 or step_tokens < tokens:
+    if kernels.row_prefill_area <= 0 or largest_bucket < tokens:
         return None
     widest = max(widths)
     return None if row_widths(kernels, block_size, tokens, [widest]) else tokens

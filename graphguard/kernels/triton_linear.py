@@ -7,11 +7,11 @@ for the matrix unit) and walks its share of K in one fixed order: many more prog
 and a result that does not depend on the batch it came in (each row is computed alone).
 
 A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
-on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`; in two there, not by
-default: see its NOTE): each split writes a float32
-partial, and the last of a column block's splits to finish (an arrival counter, reset by that
-program) adds the partials in split order and writes the output. The sum's order is fixed, so
-the result is the same bits on every call, in any batch, eager or replayed.
+on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`, not the engine's default: see
+the NOTE below): each split writes a float32 partial, and the last of a column block's splits
+to finish (an arrival counter, reset by that program) adds the partials in split order and
+writes the output. The sum's order is fixed, so the result is the same bits on every call, in
+any batch, eager or replayed.
 """
 
 from __future__ import annotations
@@ -23,13 +23,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.arrivals import MAX_UNITS, arrival_counters
-
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
 # Programs a split plan aims for: K splits until the column blocks times the splits reach it.
 TARGET_PROGRAMS = 128
 MAX_SPLITS = 8
+MAX_UNITS = 1 << 16  # column blocks a split launch may count arrivals for
 # NOTE: the engine's plans do not split K. Launches that share the arrival counters must not
 # run side by side on the device, and a capture's warm-up on its own stream may run beside a
 # step still in flight: with split plans, run 87 found staggered batches' greedy tokens changed
@@ -53,13 +52,13 @@ def plan_linear(num_in: int, num_out: int, split: bool = False) -> LinearPlan:
     the weight's shape only, so a row's bits do not depend on its batch)."""
     plan = LinearPlan()
     blocks = triton.cdiv(num_out, BLOCK_N)
+    if not split or blocks > MAX_UNITS:
+        return plan
     splits = 1
     while (
-        split
-        and splits < MAX_SPLITS
+        splits < MAX_SPLITS
         and blocks * splits < TARGET_PROGRAMS
         and num_in % (2 * splits * plan.block_k) == 0
-        and blocks <= MAX_UNITS
     ):
         splits *= 2
     return plan._replace(splits=splits)
@@ -134,6 +133,24 @@ def can_take(x: Tensor, weight: Tensor) -> bool:
         and weight.stride(-1) == 1
         and x.dtype == weight.dtype
     )
+
+
+_COUNTERS: dict[torch.device, Tensor] = {}
+
+
+def arrival_counters(device: torch.device) -> Tensor:
+    """The split launches' arrival counters on `device`: MAX_UNITS zeros, which each launch's
+    last arrivals put back to zero.
+
+    NOTE: made on first use, which is eager (graphs capture after eager warm-ups), and kept
+    for the process, so a graph's replay finds its counters where its capture left them."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("few_rows_linear's first split launch on a device was captured")
+        counters = torch.zeros(MAX_UNITS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -> Tensor:

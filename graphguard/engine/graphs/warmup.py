@@ -50,16 +50,16 @@ def warm_prefill(
     count of `groups` (packed at the widths where it cannot run as rows). One report."""
     device = forward.model.embed_tokens.weight.device
     examples: list[tuple[Tensor, ...]] = []
-    keys = []
-    for num_tokens in [*token_counts, *(g for g in groups if g not in token_counts)]:
-        widths_as_rows = []
-        if num_tokens in token_counts:
-            widths_as_rows = _row_widths(forward, rows, num_tokens, widths)
+    packed = list(groups)
+    for num_tokens in token_counts:
+        widths_as_rows = _row_widths(forward, rows, num_tokens, widths)
         examples += [padding_decode_batch(num_tokens, w, device) for w in widths_as_rows]
-        packed = not widths_as_rows and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS
-        if packed or num_tokens in groups:
-            ids, positions, _ = dummy_prefill_inputs(num_tokens, forward.kv, device)
-            keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None)))
+        if not widths_as_rows and num_tokens <= POWER_OF_TWO_PREFILL_TOKENS:
+            packed.append(num_tokens)
+    keys = []
+    for num_tokens in dict.fromkeys(packed):  # each count once
+        ids, positions, _ = dummy_prefill_inputs(num_tokens, forward.kv, device)
+        keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None)))
     report = WarmupReport()
     if rows is not None and examples:
         report = rows.warmup(examples, progress=progress)

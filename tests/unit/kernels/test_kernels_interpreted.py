@@ -22,7 +22,6 @@ from graphguard.kernels import (  # noqa: E402
     triton_norm,
     triton_rope,
 )
-from graphguard.kernels.arrivals import arrival_counters  # noqa: E402
 from tests.kernel_cases import (  # noqa: E402
     HEADS,
     REFERENCE,
@@ -70,7 +69,7 @@ def test_a_split_k_linear_matches_the_reference_and_leaves_its_counters_at_zero(
     out = triton_linear.few_rows_linear(x, weight, plan)
     assert rel_error(out, REFERENCE.linear(x.float(), weight.float())) < TOLERANCE[torch.float16]
     assert torch.equal(out[:1], triton_linear.few_rows_linear(x[:1], weight, plan))
-    assert not arrival_counters(torch.device("cpu")).any()
+    assert not triton_linear.arrival_counters(torch.device("cpu")).any()
     assert triton_linear.plan_linear(1024, 64).splits == 1  # the engine's plans do not split
     assert triton_linear.plan_linear(1024, 64, split=True).splits == 8
 
