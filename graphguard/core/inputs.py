@@ -108,15 +108,23 @@ def padding_example(key: GraphKey, buckets: Buckets | None) -> tuple[Any, ...]:
 
 
 def make_static_args(
-    entry: GraphEntry, args: Sequence[Any], plan: CallPlan, buckets: Buckets | None
+    entry: GraphEntry,
+    args: Sequence[Any],
+    plan: CallPlan,
+    buckets: Buckets | None,
+    reuse: Sequence[torch.Tensor] = (),
 ) -> list[Any]:
-    """Allocate the entry's static inputs on its device and fill them from `args`."""
+    """Allocate the entry's static inputs on its device and fill them from `args`. An arg that
+    is one of `reuse` (tensors that outlive the entry and hold each call's value when it
+    replays: the static outputs of the graph before it in a group) is its own static input."""
     device = entry.backend.device
     static: list[Any] = []
     # NOTE: in the entry's pool, on its stream: the buffers are charged and freed with the graph.
     with entry.allocating():
         for position, (arg, part) in enumerate(zip(args, plan.key.args, strict=True)):
-            if isinstance(part, TensorSpec):
+            if any(arg is tensor for tensor in reuse):
+                static.append(arg)
+            elif isinstance(part, TensorSpec):
                 buffer = torch.empty(part.shape, dtype=part.dtype, device=device)
                 if part.device != device:
                     entry.add_staging(position, buffer)
@@ -141,6 +149,8 @@ def copy_inputs(
         if not isinstance(arg, torch.Tensor):
             continue
         static = entry.static_args[position]
+        if static is arg:
+            continue  # a reused tensor (make_static_args), or a call of the static inputs
         staging = entry.staging.get(position)
         if staging is not None:
             _fill(staging, arg, None if padded or arg.dim() == 0 else plan.rows, buckets, position)

@@ -34,7 +34,8 @@ def check_request(
             f"{limits.max_model_len - 1} fit"
         )
     vocab_size = limits.vocab_size
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+    # NOTE: min and max, not a check per token: 0.2 ms of a 4k-token prompt's intake was that.
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     params.validate()
     if any(not t < vocab_size for t, _ in params.logit_bias):

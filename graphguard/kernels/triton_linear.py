@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphguard.kernels.launch import dependent_launch, follow_previous
+
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
 # Programs a split plan aims for: K splits until the column blocks times the splits reach it.
@@ -81,6 +83,7 @@ def _few_rows_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -88,20 +91,22 @@ def _few_rows_kernel(
     rows = tl.arange(0, ROWS)
     is_col, is_row = cols < num_out, rows < num_rows
     span: tl.constexpr = NUM_IN // SPLITS  # the host splits only a K of whole tiles
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    for tile in range(tl.cdiv(span, BLOCK_K)):
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    x_rows = x_ptr + rows[:, None] * stride_x
+    # NOTE: the first weight tile is asked for before the wait for the kernel before this one
+    # (graphguard/kernels/launch.py): no kernel of a step writes a weight, so with PDL its
+    # load overlaps that kernel's end. Everything else waits, as in a plain launch.
+    ks = split * span + tl.arange(0, BLOCK_K)
+    is_k = ks < NUM_IN
+    w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
+    follow_previous(PDL)
+    x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    for tile in range(1, tl.cdiv(span, BLOCK_K)):
         ks = split * span + tile * BLOCK_K + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_x + ks[None, :],
-            mask=is_row[:, None] & is_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
-            mask=is_col[:, None] & is_k[None, :],
-            other=0.0,
-        )
+        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     mask = is_row[:, None] & is_col[None, :]
     dest = out_ptr + rows[:, None] * num_out + cols[None, :]
@@ -169,10 +174,11 @@ def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -
     if plan.splits > 1:
         parts = x.new_empty((plan.splits, MAX_ROWS, num_out), dtype=torch.float32)
         counters = arrival_counters(x.device)
+    pdl = dependent_launch(x.device)
     _few_rows_kernel[(blocks, plan.splits)](
         x, weight, out, parts, counters, num_rows, num_out, x.stride(0), weight.stride(0),
         NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

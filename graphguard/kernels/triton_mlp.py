@@ -8,11 +8,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphguard.kernels.launch import dependent_launch, follow_previous
+
 BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, width, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, width, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -42,7 +47,9 @@ def _launch(gate: Tensor, up: Tensor, width: int) -> Tensor:
     out = torch.empty(num_rows, width, dtype=up.dtype, device=up.device)
     if num_rows:
         grid = (num_rows, triton.cdiv(width, BLOCK))
+        pdl = dependent_launch(up.device)
         _silu_mul_kernel[grid](
-            gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=BLOCK, num_warps=4
-        )
+            gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=BLOCK, PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     return out

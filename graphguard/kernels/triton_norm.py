@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphguard.kernels.launch import dependent_launch, follow_previous
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -26,7 +28,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -50,6 +54,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     summed = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(num_cols)
     if num_rows:
+        pdl = dependent_launch(x.device)
         _rms_norm_kernel[(num_rows,)](
             x,
             residual if residual is not None else x,
@@ -62,7 +67,9 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
+            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
+            launch_pdl=pdl,
         )
     return out, summed
 

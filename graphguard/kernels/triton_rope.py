@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from graphguard.kernels.launch import dependent_launch, follow_previous
 from graphguard.kernels.reference import HeadShape, QKNorm
 
 
@@ -64,7 +65,9 @@ def _rope_pair_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HEAD_DIM)
@@ -101,7 +104,9 @@ def _rope_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    follow_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row = qkv_ptr + token * stride_qkv + head * HEAD_DIM
@@ -150,13 +155,14 @@ def _launch(
         return
     norm = qk_norm or QKNorm(qkv, qkv, 0.0)  # unread without HAS_NORM
     grid = (qkv.shape[0], heads.num_heads + heads.num_kv_heads)
+    pdl = dependent_launch(qkv.device)
     _rope_kernel[grid](
         qkv, cos, sin, norm.q_weight, norm.k_weight,
         q_out, k_out, kv_cache[0], kv_cache[1], slots,
         qkv.stride(0), cos.stride(0), norm.eps,
         NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads, HEAD_DIM=heads.head_dim,
-        HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None,
-        num_warps=1 if heads.head_dim <= 128 else 2,
+        HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None, PDL=pdl,
+        num_warps=1 if heads.head_dim <= 128 else 2, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -221,10 +227,12 @@ def rope_pair(
     if num_tokens:
         norm = qk_norm or QKNorm(q, q, 0.0)  # unread without HAS_NORM
         row_stride = cos.stride(0) if rows > 1 else 0
+        pdl = dependent_launch(q.device)
         _rope_pair_kernel[(num_tokens, num_heads + k.shape[1])](
             q, k, cos, sin, norm.q_weight, norm.k_weight, q_out, k_out,
             q.stride(0), k.stride(0), row_stride, cos.stride(1), length, norm.eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim,
-            HAS_NORM=qk_norm is not None, num_warps=1 if head_dim <= 128 else 2,
+            HAS_NORM=qk_norm is not None, PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
+            launch_pdl=pdl,
         )  # fmt: skip
     return q_out, k_out

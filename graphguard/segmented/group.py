@@ -140,6 +140,7 @@ def capture_group(
     # owner's whole object graph (a model: 20 ms and more), once per segment was most of a
     # group capture's time.
     check_owners(owners, (group,), group.key)
+    previous: tuple[Any, ...] = ()  # the last segment's static outputs
     for piece in pieces:
         if not isinstance(piece, Segment):
             carry = run_piece(piece, carry, context)
@@ -148,14 +149,16 @@ def capture_group(
         for owner in owners:
             entry.retain(owner, checked=True)
         plan = CallPlan(entry.key, None)
-        static_args = make_static_args(entry, list(carry), plan, None)
+        # NOTE: what an eager stage passes through from the segment before (the residual
+        # stream, the RoPE tables) is read where that segment's graph writes it: no copy.
+        static_args = make_static_args(entry, list(carry), plan, None, reuse=previous)
         for _ in range(entry.backend.num_warmup):
             entry.warm_up(piece)
             yield
         entry.capture(piece, static_args)
         if group.resident_bytes > max_bytes:
             raise GroupOverBudget
-        carry = tuple(entry.replay())
+        carry = previous = tuple(entry.replay())
         yield
     return carry
 

@@ -355,3 +355,27 @@ def test_segment_warm_ups_run_each_segments_own_function(make):
     assert backend.num_warmups == 2 * 3  # two per segment
     assert torch.equal(out[0], runner.eager((x_of(5),), Ctx())[0])
     assert runner.stats()["captures"] == 1
+
+
+def passing(ctx: Ctx, x: torch.Tensor, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eager stage that computes one carry tensor and passes the other through."""
+    return hole(ctx, x)[0], kept
+
+
+PASS_THROUGH = [
+    Stage("split", lambda x: (torch.tanh(x @ W), x.cos())),
+    Stage("hole", passing, eager=True),
+    Stage("join", lambda x, kept: (x @ W.T + kept,)),
+]
+
+
+def test_what_an_eager_stage_passes_through_is_read_where_the_segment_before_wrote_it(make):
+    runner = make(PASS_THROUGH)
+    runner((x_of(4),), Ctx())  # captured on this call
+    (group,) = runner.groups()
+    first, second = group.entries
+    assert second.static_args[1] is first.static_outputs[1]  # no buffer, no copy a call
+    assert second.static_args[0] is not first.static_outputs[0]  # the eager stage's new tensor
+    for seed in range(1, 4):
+        assert_bitwise(runner((x_of(4, seed),), Ctx()), runner.eager((x_of(4, seed),), Ctx()))
+    assert group.replays == 4

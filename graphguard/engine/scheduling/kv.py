@@ -195,10 +195,25 @@ def prefix_hashes(
     """The prefix hash of each of the first `num_blocks` full blocks of `token_ids`: a digest of
     the block's tokens and of the hash before it, so equal hashes mean equal whole prefixes.
     `known`: the hashes of the first blocks, computed before; only the rest are computed."""
+    return chain_hashes(token_bytes(token_ids, block_size, num_blocks), block_size, known)
+
+
+def token_bytes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> bytes:
+    """The first `num_blocks` full blocks of `token_ids` as int64 bytes: what is hashed."""
+    return array("q", token_ids[: num_blocks * block_size]).tobytes()
+
+
+def chain_hashes(data: bytes, block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
+    """`prefix_hashes` of the blocks whose int64 bytes are `data` (`token_bytes`)."""
+    stride = block_size * TOKEN_BYTES
+    num_blocks = len(data) // stride
     hashes = list(known[:num_blocks])
     previous = hashes[-1] if hashes else b""
-    for index in range(len(hashes), num_blocks):
-        block = array("q", token_ids[index * block_size : (index + 1) * block_size])
-        previous = hashlib.blake2b(previous + block.tobytes(), digest_size=16).digest()
+    view, digest = memoryview(data), hashlib.blake2b
+    for start in range(len(hashes) * stride, num_blocks * stride, stride):
+        previous = digest(previous + view[start : start + stride], digest_size=16).digest()
         hashes.append(previous)
     return hashes
+
+
+TOKEN_BYTES = array("q").itemsize

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes
-from graphguard.engine.scheduling.prefix_cache import MIN_WAIT_TOKENS, PrefixCache
+from graphguard.engine.scheduling import kv as kv_module
+from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes, token_bytes
+from graphguard.engine.scheduling.prefix_cache import MIN_WAIT_TOKENS, PrefixCache, RecentPrompts
 from graphguard.engine.scheduling.scheduler import Scheduler
 from graphguard.engine.scheduling.sequence import Sequence
 from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob
@@ -239,3 +240,50 @@ def test_kv_written_before_the_cache_was_cleared_is_never_cached():
     scheduler.abort("old")
     assert scheduler.prefix_cache.reusable(Sequence("new", doc + [2], SamplingParams())) == []
     assert scheduler.kv.num_cached_blocks == 0
+
+
+def counting_digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the block digests computed from now on (one element per digest)."""
+    calls: list[int] = []
+    real = kv_module.hashlib.blake2b
+
+    def blake2b(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kv_module.hashlib, "blake2b", blake2b)
+    return calls
+
+
+def test_a_prompt_that_starts_as_a_recent_one_hashes_only_the_blocks_after_their_common_part(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    recent = RecentPrompts()
+    document = list(range(100, 164))  # 16 blocks of 4
+    first = document + [1, 2, 3, 4, 5, 6, 7, 8]
+    assert recent.hashes(token_bytes(first, 4, 18), 4, []) == prefix_hashes(first, 4, 18)
+    digests = counting_digests(monkeypatch)
+    second = document + [1, 2, 9, 9, 9, 9]  # the same document, another question mid-block
+    assert recent.hashes(token_bytes(second, 4, 17), 4, []) == prefix_hashes(second, 4, 17)
+    assert len(digests) - 17 == 1  # the block after the document, then the reference's 17
+    digests.clear()
+    other = [7] + document[1:]  # another first block: nothing in common
+    assert recent.hashes(token_bytes(other, 4, 16), 4, []) == prefix_hashes(other, 4, 16)
+    assert len(digests) == 2 * 16
+
+
+def test_recent_prompts_keep_the_longer_prompt_and_forget_the_least_recent(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    recent = RecentPrompts(capacity=2)
+    long = list(range(40))
+    recent.hashes(token_bytes(long, 4, 10), 4, [])
+    recent.hashes(token_bytes(long[:8], 4, 2), 4, [])  # a prefix of it: the long one stays
+    digests = counting_digests(monkeypatch)
+    assert recent.hashes(token_bytes(long, 4, 10), 4, []) == prefix_hashes(long, 4, 10)
+    assert len(digests) == 10  # the reference's: none for the remembered one
+    for start in (1000, 2000):  # two other documents push it out
+        recent.hashes(token_bytes(list(range(start, start + 8)), 4, 2), 4, [])
+    digests.clear()
+    recent.hashes(token_bytes(long, 4, 10), 4, [])
+    assert len(digests) == 10

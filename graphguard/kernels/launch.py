@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL): on Hopper and later, a kernel launched as a dependent
+starts while the kernel before it on its stream is still running, its programs resident and
+waiting, and goes on once that kernel has finished and its writes are visible.
+
+Each of the decode step's Triton kernels takes a `PDL` flag: with it, a program first lets the
+next kernel launch (`griddepcontrol.launch_dependents`), then waits for the previous one
+(`griddepcontrol.wait`) before it reads anything a kernel of the step writes, or writes
+anything, so every such load and store is ordered as in a plain launch: only the launch, the
+program's start and (in the few-rows GEMM) its first weight tile overlap the kernel before it.
+A graph captures the dependency as a programmatic edge, so replays keep it.
+
+NOTE: every program waits, early exits included, before it does anything else: a kernel none
+of whose programs waited could finish before the kernel it depends on, and the kernel after it
+would then wait on the wrong one.
+
+GRAPHGUARD_PDL=0 turns it off; it is off on older GPUs and in Triton's CPU interpreter, where
+the flag is a constant False and the instructions are never compiled.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+PDL_ENV = "GRAPHGUARD_PDL"
+_BY_DEVICE: dict[int, bool] = {}
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as dependents of the kernel before them."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    enabled = _BY_DEVICE.get(index)
+    if enabled is None:
+        major, _ = torch.cuda.get_device_capability(index)
+        enabled = major >= 9 and os.environ.get(PDL_ENV, "1") != "0"
+        _BY_DEVICE[index] = enabled
+    return enabled
+
+
+@triton.jit
+def follow_previous(PDL: tl.constexpr):
+    """With PDL: let the next kernel launch, then wait until the previous one has finished."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
