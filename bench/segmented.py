@@ -81,7 +81,7 @@ class Bench:
 
     def runner(self, max_bytes: int, admission: gg.AdmissionConfig, verify: str = "exact"):
         return SegmentedRunner(
-            prefill_stages(self.model),
+            prefill_stages(self.model, self.kv),
             max_bytes=max_bytes,
             backend=self.backend,
             admission=admission,
@@ -125,7 +125,7 @@ class Bench:
         ids, positions, meta = req["ids"], req["positions"], req["meta"]
         if runner is None:
             return eager_prefill(self.model, self.kv, ids, positions, meta, splice)
-        inputs = prefill_inputs(self.model, ids, positions, splice)
+        inputs = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
         return runner(inputs, PrefillContext(meta, self.kv))[0]
 
 

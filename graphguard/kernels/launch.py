@@ -13,8 +13,10 @@ NOTE: every program waits, early exits included, before it does anything else: a
 of whose programs waited could finish before the kernel it depends on, and the kernel after it
 would then wait on the wrong one.
 
-GRAPHGUARD_PDL=0 turns it off; it is off on older GPUs and in Triton's CPU interpreter, where
-the flag is a constant False and the instructions are never compiled.
+Off unless GRAPHGUARD_PDL=1, until its speed and its parity are measured on the GPU (the
+benches and tests/gpu/test_pdl_gpu.py, which turns it on itself); never on older GPUs or in
+Triton's CPU interpreter, where the flag is a constant False and the instructions are never
+compiled.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 PDL_ENV = "GRAPHGUARD_PDL"
 _BY_DEVICE: dict[int, bool] = {}
+# Triton's CPU interpreter has no such instructions: there the flag selects only the code path
+# around them (the CPU tests run it).
+_GDC = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def dependent_launch(device: torch.device) -> bool:
@@ -38,7 +43,7 @@ def dependent_launch(device: torch.device) -> bool:
     enabled = _BY_DEVICE.get(index)
     if enabled is None:
         major, _ = torch.cuda.get_device_capability(index)
-        enabled = major >= 9 and os.environ.get(PDL_ENV, "1") != "0"
+        enabled = major >= 9 and os.environ.get(PDL_ENV, "0") == "1"
         _BY_DEVICE[index] = enabled
     return enabled
 
@@ -47,5 +52,6 @@ def dependent_launch(device: torch.device) -> bool:
 def follow_previous(PDL: tl.constexpr):
     """With PDL: let the next kernel launch, then wait until the previous one has finished."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        if _GDC:
+            gdc_launch_dependents()
+            gdc_wait()

@@ -67,6 +67,21 @@ def plan_linear(num_in: int, num_out: int, split: bool = False) -> LinearPlan:
 
 
 @triton.jit
+def _walk_k(
+    x_rows, w_rows, acc, first_k, is_row, is_col, FIRST_TILE: tl.constexpr,
+    SPAN: tl.constexpr, NUM_IN: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc plus the tiles of K from FIRST_TILE on, of the span that starts at `first_k`."""
+    for tile in range(FIRST_TILE, tl.cdiv(SPAN, BLOCK_K)):
+        ks = first_k + tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        is_k = ks < NUM_IN
+        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _few_rows_kernel(
     x_ptr,
     w_ptr,
@@ -93,21 +108,23 @@ def _few_rows_kernel(
     span: tl.constexpr = NUM_IN // SPLITS  # the host splits only a K of whole tiles
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
-    # NOTE: the first weight tile is asked for before the wait for the kernel before this one
-    # (graphguard/kernels/launch.py): no kernel of a step writes a weight, so with PDL its
-    # load overlaps that kernel's end. Everything else waits, as in a plain launch.
-    ks = split * span + tl.arange(0, BLOCK_K)
-    is_k = ks < NUM_IN
-    w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
-    follow_previous(PDL)
-    x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    for tile in range(1, tl.cdiv(span, BLOCK_K)):
-        ks = split * span + tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    first_k = split * span
+    if PDL:
+        # NOTE: the first weight tile is asked for before the wait for the kernel before this
+        # one (graphguard/kernels/launch.py): no kernel of a step writes a weight, so its load
+        # overlaps that kernel's end. Everything else waits, as in a plain launch.
+        ks = first_k + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
-        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        follow_previous(PDL)
+        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        acc = _walk_k(x_rows, w_rows, acc, first_k, is_row, is_col, 1, span, NUM_IN, BLOCK_K,
+                      PRECISION)  # fmt: skip
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        acc = _walk_k(x_rows, w_rows, acc, first_k, is_row, is_col, 0, span, NUM_IN, BLOCK_K,
+                      PRECISION)  # fmt: skip
     mask = is_row[:, None] & is_col[None, :]
     dest = out_ptr + rows[:, None] * num_out + cols[None, :]
     if SPLITS == 1:

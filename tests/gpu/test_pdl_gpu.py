@@ -1,6 +1,7 @@
-"""Programmatic dependent launch (graphguard/kernels/launch.py) on the device: on Hopper the
-decode step's kernels launch as dependents, and a chain of them, eager or captured in a graph,
-gives the bits of the same chain launched plainly, replay after replay with new inputs."""
+"""Programmatic dependent launch (graphguard/kernels/launch.py, GRAPHGUARD_PDL=1) on the device:
+on Hopper a chain of the decode step's kernels launched as dependents, eager or captured in a
+graph, gives the bits of the same chain launched plainly, replay after replay with new inputs.
+Each test turns it on itself, whatever the environment says."""
 
 from __future__ import annotations
 
@@ -47,18 +48,17 @@ def weights() -> list[tuple[torch.Tensor, ...]]:
 
 @pytest.fixture
 def plain(monkeypatch: pytest.MonkeyPatch):
-    """Within the test: kernels launch plainly (as with GRAPHGUARD_PDL=0)."""
-
-    def set_plain() -> None:
-        monkeypatch.setitem(launch._BY_DEVICE, torch.cuda.current_device(), False)
-
-    return set_plain
-
-
-def test_the_decode_kernels_launch_as_dependents_on_hopper():
+    """Kernels launch as dependents until the test calls plain(), then plainly."""
     if not hopper():
         pytest.skip("programmatic dependent launch needs Hopper or later")
+    index = torch.cuda.current_device()
+    monkeypatch.setitem(launch._BY_DEVICE, index, True)
     assert launch.dependent_launch(torch.device("cuda"))
+
+    def set_plain() -> None:
+        monkeypatch.setitem(launch._BY_DEVICE, index, False)
+
+    return set_plain
 
 
 @pytest.mark.parametrize("rows", [1, 16])

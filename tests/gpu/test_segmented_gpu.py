@@ -101,7 +101,7 @@ class Setup:
 
     def runner(self, max_bytes: int) -> SegmentedRunner:
         return SegmentedRunner(
-            prefill_stages(self.model),
+            prefill_stages(self.model, self.kv),
             max_bytes=max_bytes,
             backend=CudaBackend(self.device),
             admission=EAGER_FIRST,
@@ -112,7 +112,7 @@ class Setup:
     def logits_both(self, runner: SegmentedRunner, request) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-vocabulary logits of every prompt row: segmented graphs, then eager."""
         ids, positions, meta, splice = request
-        inputs = prefill_inputs(self.model, ids, positions, splice)
+        inputs = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
         graphed = runner(inputs, PrefillContext(meta, self.kv))[0]
         eager = eager_prefill(self.model, self.kv, ids, positions, meta, splice)
         return self.model.compute_logits(graphed), self.model.compute_logits(eager)
@@ -155,7 +155,10 @@ def test_evicting_a_three_segment_group_releases_its_graphs_stream_and_pool(devi
     setup = Setup(device, num_layers=2)  # 2 layers: 3 segments
     backend = CudaBackend(device)
     runner = SegmentedRunner(
-        prefill_stages(setup.model), backend=backend, admission=EAGER_FIRST, max_bytes=1 << 40
+        prefill_stages(setup.model, setup.kv),
+        backend=backend,
+        admission=EAGER_FIRST,
+        max_bytes=1 << 40,
     )
     request = setup.request(24, text_seed=0, image_seed=0)
     setup.logits_both(runner, request)  # warm: the caller's own cuBLAS workspace

@@ -79,7 +79,7 @@ def splice_for(model, rows: list[int], seed: int = 0) -> ImageSplice:
 
 
 def test_a_model_of_l_layers_has_l_plus_one_segments(model):
-    pieces = split_segments(prefill_stages(model))
+    pieces = split_segments(prefill_stages(model, kv_for(model)))
     assert sum(1 for p in pieces if not getattr(p, "eager", False)) == 3
     assert [p.name for p in pieces if getattr(p, "eager", False)] == ["attn0", "attn1"]
 
@@ -89,10 +89,9 @@ def test_the_eager_pipeline_equals_forward_bitwise(model):
     kv = kv_for(model)
     with torch.no_grad():
         want = model(ids, positions, meta, kv)
-        pieces = split_segments(prefill_stages(model))
-        got = run_eager(
-            pieces, prefill_inputs(model, ids, positions, None), PrefillContext(meta, kv)
-        )
+        pieces = split_segments(prefill_stages(model, kv))
+        carry = prefill_inputs(model, ids, positions, None, meta.slot_mapping)
+        got = run_eager(pieces, carry, PrefillContext(meta, kv))
     assert torch.equal(got[0], want)
 
 
@@ -110,7 +109,7 @@ def test_spliced_rows_change_only_when_images_differ(model):
 def test_segmented_graphs_equal_eager_with_changed_images_and_text(model):
     kv = kv_for(model)
     runner = SegmentedRunner(
-        prefill_stages(model),
+        prefill_stages(model, kv),
         backend=SimBackend(),
         admission=AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0),
         capture=CaptureConfig(retain=(model, kv)),
@@ -120,7 +119,8 @@ def test_segmented_graphs_equal_eager_with_changed_images_and_text(model):
         splice = splice_for(model, [1, 2, 7], seed=seed)
         with torch.no_grad():
             want = eager_prefill(model, kv, ids, positions, meta, splice)
-            got = runner(prefill_inputs(model, ids, positions, splice), PrefillContext(meta, kv))
+            carry = prefill_inputs(model, ids, positions, splice, meta.slot_mapping)
+            got = runner(carry, PrefillContext(meta, kv))
         assert torch.equal(got[0], want)
     stats = runner.stats()
     assert stats["captures"] == 1 and stats["replays"] == 3 and stats["graphs"] == 3

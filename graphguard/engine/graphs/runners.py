@@ -95,7 +95,7 @@ def segmented_runner(
 ) -> SegmentedRunner:
     """Packed prefills through segment graphs, eager attention between them."""
     return SegmentedRunner(
-        prefill_stages(forward.model),
+        prefill_stages(forward.model, forward.kv),
         max_bytes=config.max_bytes,
         verify=config.verify,
         admission=config.prefill_admission,
@@ -116,7 +116,7 @@ def dummy_prefill(forward: EagerForward, key: GraphKey) -> tuple[Carry, PrefillC
     block: one fresh sequence of token 0."""
     device = forward.model.embed_tokens.weight.device
     ids, positions, meta = dummy_prefill_inputs(key.args[0].shape[0], forward.kv, device)
-    carry = prefill_inputs(forward.model, ids, positions, None)
+    carry = prefill_inputs(forward.model, ids, positions, None, meta.slot_mapping)
     return carry, PrefillContext(meta, forward.kv)
 
 

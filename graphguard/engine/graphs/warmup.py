@@ -58,8 +58,9 @@ def warm_prefill(
             packed.append(num_tokens)
     keys = []
     for num_tokens in dict.fromkeys(packed):  # each count once
-        ids, positions, _ = dummy_prefill_inputs(num_tokens, forward.kv, device)
-        keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None)))
+        ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device)
+        carry = prefill_inputs(forward.model, ids, positions, None, meta.slot_mapping)
+        keys.append(carry_key(carry))
     report = WarmupReport()
     if rows is not None and examples:
         report = rows.warmup(examples, progress=progress)

@@ -8,7 +8,8 @@ The prefill pipeline: the decoder cut around attention. One stage embeds the tok
 embeddings spliced in), then each layer's attention runs eagerly (variable-length causal
 attention over the paged cache, host-side lengths), and the stage after it holds o_proj, the
 residual add and norm and the MLP; the next layer's stage before attention holds its residual
-add and norm, the q/k/v projection and RoPE. The ops are those of
+add and norm, the q/k/v projection, RoPE and the layer's K/V write (so a graph replays the
+write, and the eager stage is the attention launch alone). The ops are those of
 DecoderModel.forward in the same order, so the pipeline run eagerly gives the same hidden
 states; graphguard.segmented captures its capturable stages (engine/graphs/runners.py), and the
 same pipeline run eagerly is how image requests prefill when graphs are off.
@@ -177,14 +178,16 @@ class PrefillContext:
     kv: PagedKVStorage
 
 
-def prefill_stages(model: DecoderModel) -> list[Stage]:
-    """The decoder as stages: embed, then per layer pre-attention | attention | post-attention,
-    then the final norm. Between layers the carry is (h, residual, cos, sin): the residual
-    stream travels unadded, as in DecoderModel.forward (the first layer has none yet)."""
+def prefill_stages(model: DecoderModel, kv: PagedKVStorage) -> list[Stage]:
+    """The decoder as stages over the KV cache `kv`: embed, then per layer pre-attention |
+    attention | post-attention, then the final norm. Between layers the carry is (h, residual,
+    cos, sin, slots): the residual stream travels unadded, as in DecoderModel.forward (the
+    first layer has none yet), and the tokens' cache slots go to each layer's K/V write."""
     stages = [Stage("embed", _embed(model))]
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        stages.append(Stage(f"pre{index}", _pre_attention(model, layer, first=index == 0)))
+        pre = _pre_attention(model, kv, index, layer, first=index == 0)
+        stages.append(Stage(f"pre{index}", pre))
         stages.append(Stage(f"attn{index}", _attention(model, index, layer), eager=True))
         stages.append(Stage(f"post{index}", _post_attention(model, layer)))
     stages.append(Stage("norm", _final_norm(model)))
@@ -192,22 +195,30 @@ def prefill_stages(model: DecoderModel) -> list[Stage]:
 
 
 def _embed(model: DecoderModel) -> Any:
-    def embed(ids: Tensor, positions: Tensor, image_mask: Tensor, image_h: Tensor) -> Carry:
+    def embed(
+        ids: Tensor, positions: Tensor, image_mask: Tensor, image_h: Tensor, slots: Tensor
+    ) -> Carry:
         h = model.embed_tokens(ids)
         # NOTE: where() copies h exactly where the mask is false, so text rows match forward().
         h = torch.where(image_mask[:, None], image_h, h)
         cos, sin = model.rotary(positions, h.dtype)
-        return h, cos, sin
+        return h, cos, sin, slots
 
     return embed
 
 
-def _pre_attention(model: DecoderModel, layer: DecoderLayer, first: bool) -> Any:
+def _pre_attention(
+    model: DecoderModel, kv: PagedKVStorage, index: int, layer: DecoderLayer, first: bool
+) -> Any:
     def pre(h: Tensor, *carry: Tensor) -> Carry:
-        residual, rope = (None, carry) if first else (carry[0], carry[1:])
+        residual = None if first else carry[0]
+        cos, sin, slots = carry[-3:]
         x, residual = layer.norm_input(h, residual, model.kernels)
-        q, k, v = layer.self_attn.project_qkv(x, (rope[0], rope[1]), model.kernels)
-        return residual, q, k, v, *rope
+        q, k, v = layer.self_attn.project_qkv(x, (cos, sin), model.kernels)
+        # NOTE: idempotent (same slots, same values), as a graph's warm-ups and the parity
+        # check's eager run need; a capture on dummy inputs writes only the dummy block.
+        write_kv(kv.k_cache[index], kv.v_cache[index], k, v, slots)
+        return residual, q, k, v, cos, sin, slots
 
     return pre
 
@@ -215,20 +226,19 @@ def _pre_attention(model: DecoderModel, layer: DecoderLayer, first: bool) -> Any
 def _attention(model: DecoderModel, index: int, layer: DecoderLayer) -> Any:
     scale = layer.self_attn.scale
 
-    def attention(ctx: PrefillContext, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *rope):
-        kv_cache = (ctx.kv.k_cache[index], ctx.kv.v_cache[index])
-        write_kv(*kv_cache, k, v, ctx.meta.slot_mapping)
+    def attention(ctx: PrefillContext, residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *rest):
+        kv_cache = (ctx.kv.k_cache[index], ctx.kv.v_cache[index])  # the new K/V written
         out = model.kernels.prefill_attention(q, k, v, kv_cache, ctx.meta, scale)
-        return (residual, out, *rope)
+        return (residual, out, *rest)
 
     return attention
 
 
 def _post_attention(model: DecoderModel, layer: DecoderLayer) -> Any:
-    def post(residual: Tensor, out: Tensor, cos: Tensor, sin: Tensor) -> Carry:
+    def post(residual: Tensor, out: Tensor, *rest: Tensor) -> Carry:
         attn_out = layer.self_attn.project_out(out, model.kernels)
         h, residual = layer.mlp_block(attn_out, residual, model.kernels)
-        return h, residual, cos, sin
+        return h, residual, *rest
 
     return post
 
@@ -263,15 +273,18 @@ def image_splice(
     return ImageSplice(rows_gpu, torch.cat(parts).to(device))
 
 
-def prefill_inputs(model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any) -> Carry:
-    """The pipeline's input carry: ids, positions, image row mask and image rows [T, hidden]."""
+def prefill_inputs(
+    model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any, slots: Tensor
+) -> Carry:
+    """The pipeline's input carry: ids, positions, image row mask, image rows [T, hidden] and
+    the tokens' cache slots (`AttentionMetadata.slot_mapping`)."""
     num_tokens, weight = ids.shape[0], model.embed_tokens.weight
     mask = torch.zeros(num_tokens, dtype=torch.bool, device=ids.device)
     image_h = torch.zeros(num_tokens, weight.shape[1], dtype=weight.dtype, device=ids.device)
     if splice is not None:
         mask[splice.rows] = True
         image_h.index_copy_(0, splice.rows, splice.embeds.to(weight.dtype))
-    return ids, positions, mask, image_h
+    return ids, positions, mask, image_h, slots
 
 
 def eager_prefill(
@@ -285,6 +298,6 @@ def eager_prefill(
     """Prefill hidden states ``[T, hidden]`` without graphs, image rows spliced in."""
     if splice is None:
         return model(ids, positions, meta, kv)
-    pieces = split_segments(prefill_stages(model))
-    carry = prefill_inputs(model, ids, positions, splice)
+    pieces = split_segments(prefill_stages(model, kv))
+    carry = prefill_inputs(model, ids, positions, splice, meta.slot_mapping)
     return run_eager(pieces, carry, PrefillContext(meta, kv))[0]

@@ -191,7 +191,7 @@ class ModelRunner:
         prefill = self.graphs.prefill if self.graphs is not None else None
         if prefill is None:
             return self.forward.prefill(ids, positions, meta, splice)
-        carry = prefill_inputs(self.model, ids, positions, splice)
+        carry = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
         return prefill(carry, PrefillContext(meta, self.kv))[0]
 
     def _logits(

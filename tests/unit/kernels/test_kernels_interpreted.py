@@ -81,6 +81,22 @@ def test_few_rows_linear_gives_a_row_the_same_bits_in_any_batch():
     assert torch.equal(together[:1], triton_linear.few_rows_linear(x[:1], weight))
 
 
+@pytest.mark.parametrize(
+    "rows,outs,ins,splits", [(1, 96, 576, 1), (3, 50, 100, 1), (16, 40, 130, 1), (5, 64, 1024, 4)]
+)
+def test_a_dependent_launchs_linear_gives_the_plain_launchs_bits(
+    monkeypatch, rows, outs, ins, splits
+):
+    # NOTE: the interpreter has no griddepcontrol: PDL here runs only the code around it (the
+    # first weight tile loaded ahead, graphguard/kernels/launch.py); the device runs the rest.
+    x = torch.randn(rows, ins).half()
+    weight = (torch.randn(outs, ins) / ins**0.5).half()
+    plan = triton_linear.LinearPlan(splits=splits)
+    plain = triton_linear.few_rows_linear(x, weight, plan)
+    monkeypatch.setattr(triton_linear, "dependent_launch", lambda device: True)
+    assert torch.equal(triton_linear.few_rows_linear(x, weight, plan), plain)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_reference(dtype):
     gate_up = torch.randn(5, 2 * 1500).to(dtype)  # a width that is not a whole block

@@ -1,5 +1,5 @@
 """Which launches are programmatic dependents (graphguard/kernels/launch.py): Hopper and later
-on CUDA, unless GRAPHGUARD_PDL=0; never on a CPU or in Triton's interpreter."""
+on CUDA with GRAPHGUARD_PDL=1; never on a CPU or in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ def gpu_of(monkeypatch: pytest.MonkeyPatch):
     def make(major: int) -> torch.device:
         monkeypatch.setattr(launch, "_BY_DEVICE", {})
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setenv(launch.PDL_ENV, "1")
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (major, 0))
         return torch.device("cuda", 0)
 
@@ -28,9 +29,14 @@ def test_hopper_and_later_launch_as_dependents_and_older_gpus_do_not(gpu_of):
     assert not launch.dependent_launch(gpu_of(8))
 
 
-def test_the_environment_turns_dependent_launch_off(gpu_of, monkeypatch):
-    monkeypatch.setenv(launch.PDL_ENV, "0")
-    assert not launch.dependent_launch(gpu_of(9))
+@pytest.mark.parametrize("setting", [None, "0", "yes"])
+def test_dependent_launch_is_off_unless_the_environment_asks_for_it(gpu_of, monkeypatch, setting):
+    device = gpu_of(9)
+    if setting is None:
+        monkeypatch.delenv(launch.PDL_ENV)
+    else:
+        monkeypatch.setenv(launch.PDL_ENV, setting)
+    assert not launch.dependent_launch(device)
 
 
 def test_a_cpu_and_the_interpreter_never_launch_as_dependents(gpu_of, monkeypatch):

@@ -201,8 +201,9 @@ def model_step(
     pos = torch.tensor(positions)
     if not staged:
         return model(ids, pos, meta, kv)
-    carry = prefill_inputs(model, ids, pos, None)
-    return run_eager(split_segments(prefill_stages(model)), carry, PrefillContext(meta, kv))[0]
+    carry = prefill_inputs(model, ids, pos, None, meta.slot_mapping)
+    pieces = split_segments(prefill_stages(model, kv))
+    return run_eager(pieces, carry, PrefillContext(meta, kv))[0]
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["layers", "stages"])
