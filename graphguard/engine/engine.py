@@ -186,12 +186,13 @@ class LLMEngine:
         """
         with self.lifecycle_lock:
             self._check_open()
-            self._validate_request(request_id, prompt_token_ids, params)
+            prompt_bytes = self._validate_request(request_id, prompt_token_ids, params)
             parent = self._fork_parent(fork_of, prompt_token_ids, images)
             image_input = self._embed_images(prompt_token_ids, images) if images else None
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             generator = make_generator(seed, self.device)
             seq = Sequence(request_id, prompt_token_ids, params, generator)
+            seq.prompt_bytes = prompt_bytes
             if params.response_format is not None:
                 seq.grammar = self.grammars.matcher(params.response_format)
             if image_input is not None:
@@ -223,7 +224,8 @@ class LLMEngine:
 
     def _validate_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
+    ) -> bytes:
+        """check_request's prompt bytes, or ValueError."""
         if request_id in self._seqs or any(o.request_id == request_id for o in self._pending):
             raise ValueError(f"request id {request_id!r} is already in use")
         limits = RequestLimits(
@@ -232,7 +234,7 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_usable_blocks=self.num_usable_blocks,
         )
-        check_request(prompt_token_ids, params, limits)
+        return check_request(prompt_token_ids, params, limits)
 
     def _embed_images(
         self, prompt_token_ids: list[int], images: list[torch.Tensor]

@@ -5,7 +5,10 @@ so the server answers 400 and the engine queues nothing."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+
+import numpy as np
 
 from graphguard.engine.scheduling.sequence import num_blocks_for
 from graphguard.engine.tokens.sampling import SamplingParams
@@ -24,8 +27,9 @@ class RequestLimits:
 
 def check_request(
     prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits
-) -> None:
-    """Raise ValueError if the request can never be served (see module docstring)."""
+) -> bytes:
+    """Raise ValueError if the request can never be served (see module docstring); else the
+    prompt's token ids as int64 bytes, what the prefix cache hashes (Sequence.prompt_bytes)."""
     if not prompt_token_ids:
         raise ValueError("prompt is empty: at least one prompt token is required")
     if len(prompt_token_ids) > limits.max_model_len - 1:
@@ -34,8 +38,14 @@ def check_request(
             f"{limits.max_model_len - 1} fit"
         )
     vocab_size = limits.vocab_size
-    # NOTE: min and max, not a check per token: 0.2 ms of a 4k-token prompt's intake was that.
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+    # NOTE: one conversion to int64 checks the types, and numpy the range: a check per token
+    # was 0.2 ms of a 4k-token prompt's intake, on the step's path.
+    try:
+        tokens = array("q", prompt_token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})") from exc
+    values = np.frombuffer(tokens, dtype=np.int64)
+    if values.min() < 0 or values.max() >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     params.validate()
     if any(not t < vocab_size for t, _ in params.logit_bias):
@@ -47,3 +57,4 @@ def check_request(
             f"request needs up to {num_blocks} KV blocks but the pool has "
             f"{limits.num_usable_blocks}; raise num_kv_blocks or lower max_tokens"
         )
+    return tokens.tobytes()

@@ -177,6 +177,10 @@ class PrefixCache:
         if len(known) < num_blocks:
             # every full block at once: the next call asks for one more (computing, register)
             num_full = max(num_blocks, seq.num_tokens // self.block_size)
-            data = token_bytes(seq.token_ids, self.block_size, num_full)
+            length = num_full * self.block_size
+            if seq.prompt_bytes is not None and length <= seq.num_prompt_tokens:
+                data = seq.prompt_bytes[: length * TOKEN_BYTES]
+            else:
+                data = token_bytes(seq.token_ids, self.block_size, num_full)
             known[:] = self.recent.hashes(data, self.block_size, known)
         return known[:num_blocks]

@@ -43,6 +43,8 @@ class Sequence:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        # the prompt as int64 bytes, from the engine's intake: what the prefix cache hashes
+        self.prompt_bytes: bytes | None = None
         self.output_token_ids: list[int] = []
         self.params = params
         self.generator = generator  # None: draws come from torch's default generator

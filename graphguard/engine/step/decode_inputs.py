@@ -1,10 +1,11 @@
-"""The decode step's inputs in one host-to-device copy.
+"""A step's inputs in one host-to-device copy.
 
-A decode step needs five small tensors (token ids, positions, slots, block tables, lengths);
-built one by one with ``torch.tensor(..., device=cuda)`` they cost five synchronous copies
-(about 30 us each on a busy host). `DecodeInputs` packs them into one pinned host buffer,
-copies it with one asynchronous copy into a device buffer it keeps, and hands out views:
-int64 ids, positions and slots first, then int32 tables and lengths, each 16-byte aligned.
+A decode step needs five small tensors (token ids, positions, slots, block tables, lengths), a
+packed prefill six (the same but query starts for lengths, and its sequences' context lengths);
+built one by one with ``torch.tensor(..., device=cuda)`` they cost a synchronous copy each
+(about 30 us on a busy host). `DecodeInputs` packs them into one pinned host buffer, copies it
+with one asynchronous copy into a device buffer it keeps, and hands out views, each 16-byte
+aligned.
 
 NOTE: the views are valid until the next `pack`: the next copy is ordered after every kernel
 that read them (same stream), and the host waits on the last copy's event before it rewrites
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 ALIGN = 16  # bytes: where each view of the packed buffer starts
+TORCH_TYPES: dict[type, torch.dtype] = {np.int64: torch.int64, np.int32: torch.int32}
 
 
 class DecodeInputs:
@@ -40,36 +42,46 @@ class DecodeInputs:
         lens: list[int],
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(ids, positions, block tables [B, W], lengths, slots) on the device, in the order
-        of decode's arguments; `tables` rows are already padded to one width.
+        of decode's arguments; `tables` rows are already padded to one width."""
+        ids_gpu, positions_gpu, slots_gpu, tables_gpu, lens_gpu = self.pack_arrays(
+            [(ids, np.int64), (positions, np.int64), (slots, np.int64), (tables, np.int32),
+             (lens, np.int32)]
+        )  # fmt: skip
+        return ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu
+
+    def pack_arrays(self, arrays: list[tuple[list, type]]) -> list[Tensor]:
+        """Each (values, numpy integer type) as a device tensor, in one copy: a list of ints
+        gives a vector, a list of equal-length lists a matrix.
 
         NOTE: each view starts on a 16-byte boundary, whatever the batch. Triton compiles a
         kernel again for a pointer that is not 16-byte aligned: packed end to end, an odd
         batch's views were not, and an eager step of 7 rows compiled the decode attention
         anew, hundreds of ms inside a serving load (docs/benchmarks.md, "Design notes"), after
         a warm-up whose inputs were aligned."""
-        num_rows, width = len(ids), len(tables[0])
-        sizes = (8 * num_rows, 8 * num_rows, 8 * num_rows, 4 * num_rows * width, 4 * num_rows)
+        shapes = [
+            (len(values), len(values[0]))
+            if values and isinstance(values[0], list)
+            else (len(values),)
+            for values, _ in arrays
+        ]
+        sizes = [
+            np.dtype(kind).itemsize * int(np.prod(shape))
+            for (_, kind), shape in zip(arrays, shapes, strict=True)
+        ]
         starts = []
         end = 0
         for size in sizes:
             starts.append(end)
             end += -(-size // ALIGN) * ALIGN
         host = self._reserve(end)
-        for start, values, dtype in zip(
-            starts[:3], (ids, positions, slots), (np.int64,) * 3, strict=True
-        ):
-            np.frombuffer(host, dtype=dtype, count=num_rows, offset=start)[:] = values
-        table_view = np.frombuffer(host, dtype=np.int32, count=num_rows * width, offset=starts[3])
-        table_view.reshape(num_rows, width)[:] = tables
-        np.frombuffer(host, dtype=np.int32, count=num_rows, offset=starts[4])[:] = lens
+        for (values, kind), shape, start in zip(arrays, shapes, starts, strict=True):
+            count = int(np.prod(shape))
+            np.frombuffer(host, dtype=kind, count=count, offset=start).reshape(shape)[:] = values
         gpu = self._copy(end)
-
-        def view(index: int, dtype: torch.dtype) -> Tensor:
-            return gpu[starts[index] : starts[index] + sizes[index]].view(dtype)
-
-        ids_gpu, positions_gpu, slots_gpu = (view(i, torch.int64) for i in range(3))
-        block_tables = view(3, torch.int32).view(num_rows, width)
-        return ids_gpu, positions_gpu, block_tables, view(4, torch.int32), slots_gpu
+        return [
+            gpu[start : start + size].view(TORCH_TYPES[kind]).view(shape)
+            for (_, kind), shape, start, size in zip(arrays, shapes, starts, sizes, strict=True)
+        ]
 
     def _reserve(self, num_bytes: int) -> np.ndarray:
         """The pinned host buffer as numpy bytes, at least `num_bytes` long, free to write."""

@@ -15,6 +15,7 @@ eager forward with one named reason.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -71,6 +72,7 @@ class ModelRunner:
         self.pad_prefills = pad_prefills
         self.decode_inputs = DecodeInputs(device)
         self.row_inputs = DecodeInputs(device)  # a prefill's as rows (its views live apart)
+        self.packed_inputs = DecodeInputs(device)  # a packed prefill's
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Tensor:
@@ -105,9 +107,7 @@ class ModelRunner:
             pad_to = rows if self.pad_prefills else num_tokens
             hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, pad_to)
             return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
-        meta = self._packed_meta(seqs, chunks, input_ids, positions, slots)
-        ids_gpu = self._tensor(input_ids, torch.int64)
-        positions_gpu = self._tensor(positions, torch.int64)
+        ids_gpu, positions_gpu, meta = self._packed_meta(seqs, chunks, input_ids, positions, slots)
         hidden = self._run_packed(ids_gpu, positions_gpu, meta, splice)
         # the real sequences' rows, not the padding
         return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
@@ -119,9 +119,10 @@ class ModelRunner:
         input_ids: list[int],
         positions: list[int],
         slots: list[int],
-    ) -> AttentionMetadata:
-        """The metadata of a packed prefill, padded (in place: `input_ids`, `positions`,
-        `slots`) up to its token bucket when prefills pad."""
+    ) -> tuple[Tensor, Tensor, AttentionMetadata]:
+        """The token ids, positions and metadata of a packed prefill on the device (one copy),
+        padded (in place: `input_ids`, `positions`, `slots`) up to its token bucket when
+        prefills pad."""
         num_tokens = len(input_ids)
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
@@ -139,16 +140,26 @@ class ModelRunner:
             query_lens.append(pad)
             tables = tables + [[dummy]]
         query_start_loc = _cumsum0(query_lens)
-        return AttentionMetadata(
+        # NOTE: padding points at the reserved dummy block, never at a live sequence's KV.
+        pad_block = PagedKVStorage.DUMMY_BLOCK
+        padded_tables = [table + [pad_block] * (width - len(table)) for table in tables]
+        ids_gpu, positions_gpu, slots_gpu, tables_gpu, lens_gpu, starts_gpu = (
+            self.packed_inputs.pack_arrays(
+                [(input_ids, np.int64), (positions, np.int64), (slots, np.int64),
+                 (padded_tables, np.int32), (seq_lens, np.int32), (query_start_loc, np.int32)]
+            )
+        )  # fmt: skip
+        meta = AttentionMetadata(
             packed=True,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._table_tensor(tables, width),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start_loc, torch.int32),
+            slot_mapping=slots_gpu,
+            block_tables=tables_gpu,
+            seq_lens=lens_gpu,
+            query_start_loc=starts_gpu,
             seq_lens_cpu=seq_lens,
             query_lens_cpu=query_lens,
             prefill_groups=self._prefill_groups(query_lens, seq_lens),
         )
+        return ids_gpu, positions_gpu, meta
 
     def _prefill_groups(
         self, query_lens: list[int], seq_lens: list[int]
@@ -247,11 +258,6 @@ class ModelRunner:
     def _slot(self, seq: Sequence, position: int) -> int:
         block = seq.block_table[position // self.block_size]
         return block * self.block_size + position % self.block_size
-
-    def _table_tensor(self, tables: list[list[int]], width: int) -> Tensor:
-        # NOTE: padding points at the reserved dummy block, never at a live sequence's KV.
-        pad = PagedKVStorage.DUMMY_BLOCK
-        return self._tensor([table + [pad] * (width - len(table)) for table in tables], torch.int32)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

@@ -4,6 +4,7 @@ compiles a kernel again for a pointer that is not)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,3 +30,15 @@ def test_packed_views_hold_the_values_and_are_16_byte_aligned(rows: int, width: 
         assert (ids_t.dtype, tables_t.dtype) == (torch.int64, torch.int32)
         for view in (ids_t, positions_t, tables_t, lens_t, slots_t):
             assert view.data_ptr() % 16 == 0
+
+
+def test_a_packed_prefills_arrays_come_back_with_their_shapes_types_and_alignment() -> None:
+    inputs = DecodeInputs(torch.device("cpu"))
+    ids, slots = list(range(5)), [40 + i for i in range(5)]
+    tables, lens, starts = [[3, 4, 5], [9, 0, 0]], [3, 2], [0, 3, 5]
+    arrays = [(ids, np.int64), (slots, np.int64), (tables, np.int32), (lens, np.int32),
+              (starts, np.int32)]  # fmt: skip
+    got = inputs.pack_arrays(arrays)
+    assert [t.tolist() for t in got] == [ids, slots, tables, lens, starts]
+    assert [t.dtype for t in got] == [torch.int64] * 2 + [torch.int32] * 3
+    assert got[2].shape == (2, 3) and all(t.data_ptr() % 16 == 0 for t in got)

@@ -56,6 +56,9 @@ def engine(tiny: LoadedModel) -> LLMEngine:
         ([5], SamplingParams(top_p=float("nan")), "top_p"),
         ([5], SamplingParams(top_k=-1), "top_k"),
         ([10**6], GREEDY, "token ids"),
+        ([5, -1], GREEDY, "token ids"),
+        ([5, 2**70], GREEDY, "token ids"),  # past int64
+        ([5, 6.0], GREEDY, "token ids"),  # not an integer
     ],
 )
 def test_bad_request_raises_value_error_naming_the_problem(

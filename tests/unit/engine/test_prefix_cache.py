@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphguard.engine.intake import RequestLimits, check_request
 from graphguard.engine.scheduling import kv as kv_module
+from graphguard.engine.scheduling import prefix_cache as prefix_cache_module
 from graphguard.engine.scheduling.kv import PagedKVStorage, prefix_hashes, token_bytes
 from graphguard.engine.scheduling.prefix_cache import MIN_WAIT_TOKENS, PrefixCache, RecentPrompts
 from graphguard.engine.scheduling.scheduler import Scheduler
@@ -287,3 +289,18 @@ def test_recent_prompts_keep_the_longer_prompt_and_forget_the_least_recent(
     digests.clear()
     recent.hashes(token_bytes(long, 4, 10), 4, [])
     assert len(digests) == 10
+
+
+def test_a_prompts_intake_bytes_are_what_its_blocks_hash_and_any_other_prompt_still_hashes(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    ids = list(range(300, 340))
+    seq = Sequence("a", ids, SamplingParams())
+    seq.prompt_bytes = check_request(ids, SamplingParams(), RequestLimits(1000, 100, 4, 50))
+    with monkeypatch.context() as patched:  # no conversion of its tokens again
+        patched.setattr(prefix_cache_module, "token_bytes", None)
+        assert PrefixCache(pool()).reusable(seq) == []
+    assert seq.prefix_hashes == prefix_hashes(ids, 2, 20)
+    bare = Sequence("b", ids, SamplingParams())  # made without the engine's intake
+    PrefixCache(pool()).reusable(bare)
+    assert bare.prefix_hashes == seq.prefix_hashes
