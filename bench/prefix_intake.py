@@ -58,13 +58,13 @@ def wave(
     return add_ms, timed[0]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--question", type=int, default=32)
     parser.add_argument("--waves", type=int, default=8, help="waves of each setting")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     loaded = load("qwen3-0.6b", tiny=True)
     block_size = EngineConfig().block_size
     length = args.prefix + args.question + 1
@@ -98,6 +98,7 @@ def main() -> None:
               " (median of waves)")  # fmt: skip
     path = write_json("prefix_intake.json", dict(args=vars(args), rows=rows))
     print(f"-> {path}")
+    return path
 
 
 if __name__ == "__main__":
