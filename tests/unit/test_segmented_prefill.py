@@ -84,6 +84,20 @@ def test_a_model_of_l_layers_has_l_plus_one_segments(model):
     assert [p.name for p in pieces if getattr(p, "eager", False)] == ["attn0", "attn1"]
 
 
+def test_each_layers_kv_write_is_in_its_capturable_segment_not_the_eager_stage(model):
+    ids, positions, meta = packed_prefill([5, 9])
+    kv = kv_for(model)
+    first, attention = split_segments(prefill_stages(model, kv))[:2]
+    with torch.no_grad():
+        carry = first(*prefill_inputs(model, ids, positions, None, meta.slot_mapping))
+    _, _, k, v, *_ = carry  # residual, q, k, v, cos, sin, slots
+    slots = meta.slot_mapping
+    assert torch.equal(kv.k_cache[0].flatten(0, 1)[slots], k)
+    assert torch.equal(kv.v_cache[0].flatten(0, 1)[slots], v)
+    assert not kv.k_cache[1].any()  # the next layer's is in the next segment
+    assert getattr(attention, "eager", False)
+
+
 def test_the_eager_pipeline_equals_forward_bitwise(model):
     ids, positions, meta = packed_prefill([5, 9])
     kv = kv_for(model)
