@@ -7,6 +7,7 @@ everything else is the reference's."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.nn.functional as F
@@ -22,6 +23,11 @@ from graphguard.kernels import (
 )
 from graphguard.kernels.reference import TorchKernels
 
+# GRAPHGUARD_GEMM_PROLOGUES=1: a norm and the GEMM it feeds, and SiLU-and-multiply and the down
+# projection, each one kernel in a few-rows step (docs/kernels.md); off until the GPU has
+# measured it.
+PROLOGUES_ENV = "GRAPHGUARD_GEMM_PROLOGUES"
+
 
 class TritonKernels(TorchKernels):
     """Nine kernels per decoder layer in decode (the reference set launches 50-67)."""
@@ -34,6 +40,7 @@ class TritonKernels(TorchKernels):
 
     def __init__(self) -> None:
         self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
+        self.gemm_prologues = os.environ.get(PROLOGUES_ENV, "0") == "1"
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
@@ -41,6 +48,18 @@ class TritonKernels(TorchKernels):
         if triton_linear.can_take(x, weight):
             return triton_linear.few_rows_linear(x, weight)
         return F.linear(x, weight)
+
+    def norm_linear(
+        self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        if self.gemm_prologues and triton_linear.can_take(x, weight):
+            return triton_linear.few_rows_norm_linear(x, residual, norm_weight, eps, weight)
+        return super().norm_linear(x, residual, norm_weight, eps, weight)
+
+    def silu_linear(self, gate_up: Tensor, weight: Tensor) -> Tensor:
+        if self.gemm_prologues and triton_linear.can_take(gate_up, weight):
+            return triton_linear.few_rows_silu_linear(gate_up, weight)
+        return super().silu_linear(gate_up, weight)
 
     # The fused kernels take the reference methods' arguments (graphguard/kernels/reference.py).
     rms_norm = staticmethod(triton_norm.rms_norm)

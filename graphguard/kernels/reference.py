@@ -136,6 +136,20 @@ class TorchKernels:
         h = x + residual
         return rms_norm(h, weight, eps), h
 
+    def norm_linear(
+        self, x: Tensor, residual: Tensor | None, norm_weight: Tensor, eps: float, weight: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """(linear(rms_norm(x + residual)), x + residual): a pre-norm block's norm and the GEMM
+        it feeds. Without a residual the sum is x itself."""
+        if residual is None:
+            return self.linear(self.rms_norm(x, norm_weight, eps), weight), x
+        normed, summed = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight), summed
+
+    def silu_linear(self, gate_up: Tensor, weight: Tensor) -> Tensor:
+        """``linear(silu_mul(gate_up))``: the MLP's activation and the down projection."""
+        return self.linear(self.silu_mul(gate_up), weight)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """``[T, 2 I]`` (gate, then up) -> ``silu(gate) * up`` ``[T, I]``."""
         gate, up = gate_up.chunk(2, dim=-1)

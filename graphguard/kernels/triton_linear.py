@@ -67,15 +67,67 @@ def plan_linear(num_in: int, num_out: int, split: bool = False) -> LinearPlan:
 
 
 @triton.jit
+def _input_tile(
+    x_rows, r_rows, gamma_ptr, ks, is_row, is_k, inv_rms,
+    NUM_IN: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The GEMM's input rows at columns `ks`: as stored (PLAIN); the residual sum RMS-normed
+    by `inv_rms` and scaled, rounded where triton_norm rounds (NORM); or SiLU(gate) * up of
+    rows that hold gate then up, as triton_mlp computes it (SILU)."""
+    mask = is_row[:, None] & is_k[None, :]
+    if PROLOGUE == 2:
+        gate = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + NUM_IN + ks[None, :], mask=mask, other=0.0)
+        silu = gate / (1.0 + tl.exp(-gate))
+        tile = (silu * up.to(tl.float32)).to(up.dtype)
+    else:
+        tile = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                residual = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
+                tile = (tile.to(tl.float32) + residual.to(tl.float32)).to(tile.dtype)
+            normed = (tile.to(tl.float32) * inv_rms[:, None]).to(tile.dtype).to(tl.float32)
+            gamma = tl.load(gamma_ptr + ks, mask=is_k, other=0.0).to(tl.float32)
+            tile = (gamma[None, :] * normed).to(tile.dtype)
+    return tile
+
+
+@triton.jit
+def _row_inv_rms(
+    x_rows, r_rows, sum_rows, is_row, eps, store_sum,
+    NUM_IN: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """1 / RMS of each row's residual sum over all of K (the sum rounded to the input dtype
+    first, as triton_norm does); where `store_sum`, the sum is stored at `sum_rows`."""
+    squares = tl.zeros([ROWS], tl.float32)
+    for tile in range(tl.cdiv(NUM_IN, BLOCK_K)):
+        ks = tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = is_row[:, None] & (ks < NUM_IN)[None, :]
+        x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            residual = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+            if store_sum:
+                tl.store(sum_rows + ks[None, :], x, mask=mask)
+        x32 = x.to(tl.float32)
+        squares += tl.sum(x32 * x32, axis=1)
+    return tl.rsqrt(squares / NUM_IN + eps)
+
+
+@triton.jit
 def _walk_k(
-    x_rows, w_rows, acc, first_k, is_row, is_col, FIRST_TILE: tl.constexpr,
-    SPAN: tl.constexpr, NUM_IN: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_rows, r_rows, gamma_ptr, w_rows, acc, first_k, is_row, is_col, inv_rms,
+    FIRST_TILE: tl.constexpr, SPAN: tl.constexpr, NUM_IN: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """acc plus the tiles of K from FIRST_TILE on, of the span that starts at `first_k`."""
     for tile in range(FIRST_TILE, tl.cdiv(SPAN, BLOCK_K)):
         ks = first_k + tile * BLOCK_K + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
-        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
+        x = _input_tile(x_rows, r_rows, gamma_ptr, ks, is_row, is_k, inv_rms, NUM_IN, PROLOGUE,
+                        HAS_RESIDUAL)  # fmt: skip
         w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     return acc
@@ -88,9 +140,14 @@ def _few_rows_kernel(
     out_ptr,
     part_ptr,
     count_ptr,
+    residual_ptr,
+    gamma_ptr,
+    sum_ptr,
+    eps,
     num_rows,
     num_out,
     stride_x,
+    stride_residual,
     stride_w,
     NUM_IN: tl.constexpr,  # a model dimension: few values, one compile each
     ROWS: tl.constexpr,
@@ -98,6 +155,8 @@ def _few_rows_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # PLAIN, NORM or SILU
+    HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -108,6 +167,7 @@ def _few_rows_kernel(
     span: tl.constexpr = NUM_IN // SPLITS  # the host splits only a K of whole tiles
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
     x_rows = x_ptr + rows[:, None] * stride_x
+    r_rows = residual_ptr + rows[:, None] * stride_residual
     first_k = split * span
     if PDL:
         # NOTE: the first weight tile is asked for before the wait for the kernel before this
@@ -115,16 +175,25 @@ def _few_rows_kernel(
         # overlaps that kernel's end. Everything else waits, as in a plain launch.
         ks = first_k + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
-        w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
+        w_first = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
         follow_previous(PDL)
-        x = tl.load(x_rows + ks[None, :], mask=is_row[:, None] & is_k[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
-        acc = _walk_k(x_rows, w_rows, acc, first_k, is_row, is_col, 1, span, NUM_IN, BLOCK_K,
-                      PRECISION)  # fmt: skip
+    inv_rms = tl.zeros([ROWS], tl.float32)
+    if PROLOGUE == 1:
+        # every program needs its rows' whole sum; the first stores it for the caller
+        store_sum = (block == 0) & (split == 0)
+        sum_rows = sum_ptr + rows[:, None] * NUM_IN
+        inv_rms = _row_inv_rms(x_rows, r_rows, sum_rows, is_row, eps, store_sum, NUM_IN,
+                               BLOCK_K, ROWS, HAS_RESIDUAL)  # fmt: skip
+    if PDL:
+        x = _input_tile(x_rows, r_rows, gamma_ptr, ks, is_row, is_k, inv_rms, NUM_IN, PROLOGUE,
+                        HAS_RESIDUAL)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w_first), input_precision=PRECISION)
+        acc = _walk_k(x_rows, r_rows, gamma_ptr, w_rows, acc, first_k, is_row, is_col, inv_rms,
+                      1, span, NUM_IN, BLOCK_K, PRECISION, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
     else:
         acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        acc = _walk_k(x_rows, w_rows, acc, first_k, is_row, is_col, 0, span, NUM_IN, BLOCK_K,
-                      PRECISION)  # fmt: skip
+        acc = _walk_k(x_rows, r_rows, gamma_ptr, w_rows, acc, first_k, is_row, is_col, inv_rms,
+                      0, span, NUM_IN, BLOCK_K, PRECISION, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
     mask = is_row[:, None] & is_col[None, :]
     dest = out_ptr + rows[:, None] * num_out + cols[None, :]
     if SPLITS == 1:
@@ -175,13 +244,53 @@ def arrival_counters(device: torch.device) -> Tensor:
     return counters
 
 
+PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input rows before the GEMM
+
+
 def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -> Tensor:
     """``x [M, K] @ weight[N, K].T`` for M <= MAX_ROWS, float32 accumulation; `plan` defaults
     to `plan_linear`'s for the weight (benchmarks and tests try others)."""
+    return _launch(x, weight, plan, PLAIN, x.shape[1], None)[0]
+
+
+def few_rows_norm_linear(
+    x: Tensor,
+    residual: Tensor | None,
+    norm_weight: Tensor,
+    eps: float,
+    weight: Tensor,
+    plan: LinearPlan | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual) @ weight.T, x + residual) in one launch: triton_norm's
+    `add_rms_norm` (or `rms_norm` without a residual, whose sum is x itself) then
+    `few_rows_linear`, the sum and the normed rows rounded where those round. The norm's
+    statistics sum the row in K tiles, so they may differ from triton_norm's in the last bit."""
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    norm = (residual, norm_weight, eps)
+    return _launch(x, weight, plan, NORM, x.shape[1], norm)
+
+
+def few_rows_silu_linear(gate_up: Tensor, weight: Tensor, plan: LinearPlan | None = None) -> Tensor:
+    """``silu(gate) * up`` of rows ``[M, 2 I]`` (gate, then up) ``@ weight[N, I].T`` in one
+    launch: the same bits as triton_mlp's `silu_mul` then `few_rows_linear`."""
+    if gate_up.shape[1] != 2 * weight.shape[1]:
+        raise ValueError(f"gate/up rows {tuple(gate_up.shape)} do not feed {tuple(weight.shape)}")
+    return _launch(gate_up, weight, plan, SILU, weight.shape[1], None)[0]
+
+
+def _launch(
+    x: Tensor,
+    weight: Tensor,
+    plan: LinearPlan | None,
+    prologue: int,
+    num_in: int,
+    norm: tuple[Tensor | None, Tensor, float] | None,
+) -> tuple[Tensor, Tensor]:
+    """(the GEMM's output, the norm's residual sum: x itself without a residual sum)."""
     if not can_take(x, weight):
         raise ValueError(f"few_rows_linear takes 1-{MAX_ROWS} unit-stride rows: {x.shape}")
-    num_rows, num_in = x.shape
-    num_out = weight.shape[0]
+    num_rows, num_out = x.shape[0], weight.shape[0]
     plan = plan_linear(num_in, num_out) if plan is None else plan
     blocks = triton.cdiv(num_out, BLOCK_N)
     if plan.splits > 1 and (num_in % (plan.splits * plan.block_k) or blocks > MAX_UNITS):
@@ -191,11 +300,16 @@ def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -
     if plan.splits > 1:
         parts = x.new_empty((plan.splits, MAX_ROWS, num_out), dtype=torch.float32)
         counters = arrival_counters(x.device)
+    residual, gamma, eps = norm if norm is not None else (None, x, 0.0)
+    summed = x if residual is None else x.new_empty((num_rows, num_in))
     pdl = dependent_launch(x.device)
     _few_rows_kernel[(blocks, plan.splits)](
-        x, weight, out, parts, counters, num_rows, num_out, x.stride(0), weight.stride(0),
+        x, weight, out, parts, counters, residual if residual is not None else x, gamma, summed,
+        eps, num_rows, num_out, x.stride(0),
+        residual.stride(0) if residual is not None else 0, weight.stride(0),
         NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PDL=pdl,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, PDL=pdl,
         num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    return out
+    return out, summed

@@ -15,7 +15,14 @@ from graphguard.engine.config import PRESETS
 from graphguard.engine.models import build_model
 from graphguard.engine.models.forward import EagerForward
 from graphguard.engine.scheduling.kv import PagedKVStorage
-from graphguard.kernels import KernelChoice, TorchKernels, select_kernels, triton_linear
+from graphguard.kernels import (
+    KernelChoice,
+    TorchKernels,
+    select_kernels,
+    triton_linear,
+    triton_mlp,
+    triton_norm,
+)
 from tests.kernel_cases import (
     BLOCK_SIZE,
     HEADS,
@@ -265,3 +272,34 @@ def test_masked_prefill_attention_runs_on_the_memory_efficient_kernel():
         q.float(), wide, wide, attn_mask=mask, scale=0.125
     )
     torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("hidden,inter", [(1024, 3072), (576, 1536)])
+def test_gemm_prologues_give_the_unfused_kernels_results_and_replay_bit_for_bit(
+    rows, hidden, inter
+):
+    """GRAPHGUARD_GEMM_PROLOGUES' kernels (docs/kernels.md): SiLU into the down projection
+    gives the unfused pair's bits; the norm into the q/k/v GEMM its residual sum's bits and
+    its output within bfloat16's band; both replay their eager call's bits."""
+    x, residual = torch.randn(2, rows, hidden, device="cuda").to(BF16)
+    gamma = (torch.rand(hidden, device="cuda") + 0.5).to(BF16)
+    qkv_weight = (torch.randn(4096, hidden, device="cuda") / hidden**0.5).to(BF16)
+    gate_up = torch.randn(rows, 2 * inter, device="cuda").to(BF16)
+    down = (torch.randn(hidden, inter, device="cuda") / inter**0.5).to(BF16)
+    normed, summed = triton_norm.add_rms_norm(x, residual, gamma, 1e-6)
+    unfused = (triton_linear.few_rows_linear(normed, qkv_weight),
+               triton_linear.few_rows_linear(triton_mlp.silu_mul(gate_up), down))  # fmt: skip
+
+    def fused_pair() -> tuple[torch.Tensor, ...]:
+        out, fused_sum = triton_linear.few_rows_norm_linear(x, residual, gamma, 1e-6, qkv_weight)
+        return out, fused_sum, triton_linear.few_rows_silu_linear(gate_up, down)
+
+    out, fused_sum, silu_out = fused_pair()
+    assert torch.equal(silu_out, unfused[1]) and torch.equal(fused_sum, summed)
+    assert rel_error(out, unfused[0]) < TOLERANCE
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fused_pair()
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(static, (out, fused_sum, silu_out), strict=True))

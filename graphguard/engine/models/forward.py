@@ -213,8 +213,8 @@ def _pre_attention(
     def pre(h: Tensor, *carry: Tensor) -> Carry:
         residual = None if first else carry[0]
         cos, sin, slots = carry[-3:]
-        x, residual = layer.norm_input(h, residual, model.kernels)
-        q, k, v = layer.self_attn.project_qkv(x, (cos, sin), model.kernels)
+        qkv, residual = layer.norm_qkv(h, residual, model.kernels)
+        q, k, v = layer.self_attn.rope(qkv, (cos, sin), model.kernels)
         # NOTE: idempotent (same slots, same values), as a graph's warm-ups and the parity
         # check's eager run need; a capture on dummy inputs writes only the dummy block.
         write_kv(kv.k_cache[index], kv.v_cache[index], k, v, slots)

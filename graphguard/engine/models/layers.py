@@ -90,8 +90,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor, kernels: TorchKernels | None = None) -> Tensor:
         if kernels is None:
-            return torch.nn.functional.linear(x, self.weight)
-        return kernels.linear(x, self.weight)
+            return self.reduce(torch.nn.functional.linear(x, self.weight))
+        return self.reduce(kernels.linear(x, self.weight))
+
+    def forward_gated(self, gate_up: Tensor, kernels: TorchKernels) -> Tensor:
+        """This layer over ``silu(gate) * up`` of rows ``[T, 2 I]`` (one kernel where the set
+        fuses them: `silu_linear`)."""
+        return self.reduce(kernels.silu_linear(gate_up, self.weight))
+
+    def reduce(self, out: Tensor) -> Tensor:
+        """The layer's output from its GEMM's (a row-parallel shard sums its ranks')."""
+        return out
 
 
 def fuse_linears(*linears: nn.Linear) -> Tensor:
@@ -130,17 +139,19 @@ class GQAAttention(nn.Module):
         """Per-head q/k norm weights for families that norm q and k before RoPE (None here)."""
         return None
 
-    def qkv(self, x: Tensor, kernels: TorchKernels) -> Tensor:
-        """x ``[T, hidden]`` -> fused q/k/v rows ``[T, (Hq + 2 Hkv) * D]``."""
+    def fused_qkv_weight(self) -> Tensor:
+        """The q/k/v weights as one ``[(Hq + 2 Hkv) * D, hidden]``."""
         if self.qkv_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
-        return kernels.linear(x, self.qkv_weight)
+        return self.qkv_weight
 
-    def project_qkv(
-        self, x: Tensor, rope: Rope, kernels: TorchKernels
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """x ``[T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
-        return kernels.rope_qkv(self.qkv(x, kernels), *rope, self.heads, self.qk_norm())
+    def qkv(self, x: Tensor, kernels: TorchKernels) -> Tensor:
+        """x ``[T, hidden]`` -> fused q/k/v rows ``[T, (Hq + 2 Hkv) * D]``."""
+        return kernels.linear(x, self.fused_qkv_weight())
+
+    def rope(self, qkv: Tensor, rope: Rope, kernels: TorchKernels) -> tuple[Tensor, Tensor, Tensor]:
+        """Fused q/k/v rows -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
+        return kernels.rope_qkv(qkv, *rope, self.heads, self.qk_norm())
 
     def project_out(self, out: Tensor, kernels: TorchKernels) -> Tensor:
         return self.o_proj.forward(out.reshape(out.shape[0], -1), kernels)
@@ -153,13 +164,25 @@ class GQAAttention(nn.Module):
         kv_cache: tuple[Tensor, Tensor],
         kernels: TorchKernels,
     ) -> Tensor:
+        return self.attend(self.qkv(x, kernels), rope, meta, kv_cache, kernels)
+
+    def attend(
+        self,
+        qkv: Tensor,
+        rope: Rope,
+        meta: AttentionMetadata,
+        kv_cache: tuple[Tensor, Tensor],
+        kernels: TorchKernels,
+    ) -> Tensor:
+        """The attention block from its fused q/k/v rows on: RoPE, the K/V write, attention
+        and o_proj."""
         if meta.packed:
-            q, k, v = self.project_qkv(x, rope, kernels)
+            q, k, v = self.rope(qkv, rope, kernels)
             write_kv(*kv_cache, k, v, meta.slot_mapping)
             out = kernels.prefill_attention(q, k, v, kv_cache, meta, self.scale)
         else:
             out = kernels.attend_decode(
-                self.qkv(x, kernels), rope, self.heads, self.qk_norm(), kv_cache,
+                qkv, rope, self.heads, self.qk_norm(), kv_cache,
                 meta.slot_mapping, meta.block_tables, meta.seq_lens, self.scale,
             )  # fmt: skip
         return self.project_out(out, kernels)
@@ -181,11 +204,15 @@ class SwiGLUMLP(nn.Module):
         """Concatenate the gate/up weights (once the weights are on their device)."""
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
-    def forward(self, x: Tensor, kernels: TorchKernels) -> Tensor:
+    def fused_gate_up_weight(self) -> Tensor:
+        """The gate/up weights as one ``[2 I, hidden]``."""
         if self.gate_up_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
-        gate_up = kernels.linear(x, self.gate_up_weight)
-        return self.down_proj.forward(kernels.silu_mul(gate_up), kernels)
+        return self.gate_up_weight
+
+    def forward(self, x: Tensor, kernels: TorchKernels) -> Tensor:
+        gate_up = kernels.linear(x, self.fused_gate_up_weight())
+        return self.down_proj.forward_gated(gate_up, kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -212,23 +239,24 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[Tensor, Tensor],
         kernels: TorchKernels,
     ) -> tuple[Tensor, Tensor]:
-        x, residual = self.norm_input(h, residual, kernels)
-        attn_out = self.self_attn.forward(x, rope, meta, kv_cache, kernels)
+        qkv, residual = self.norm_qkv(h, residual, kernels)
+        attn_out = self.self_attn.attend(qkv, rope, meta, kv_cache, kernels)
         return self.mlp_block(attn_out, residual, kernels)
 
-    def norm_input(
+    def norm_qkv(
         self, h: Tensor, residual: Tensor | None, kernels: TorchKernels
     ) -> tuple[Tensor, Tensor]:
-        """(input_layernorm(h + residual), h + residual); the first layer's residual is h."""
+        """(the fused q/k/v rows of input_layernorm(h + residual), h + residual); the first
+        layer's residual is h. One kernel where the set fuses the norm into the GEMM."""
         norm = self.input_layernorm
-        if residual is None:
-            return kernels.rms_norm(h, norm.weight, norm.eps), h
-        return kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        weight = self.self_attn.fused_qkv_weight()
+        return kernels.norm_linear(h, residual, norm.weight, norm.eps, weight)
 
     def mlp_block(
         self, attn_out: Tensor, residual: Tensor, kernels: TorchKernels
     ) -> tuple[Tensor, Tensor]:
         """The attention output added to the residual, normed, through the MLP."""
         norm = self.post_attention_layernorm
-        x, residual = kernels.add_rms_norm(attn_out, residual, norm.weight, norm.eps)
-        return self.mlp.forward(x, kernels), residual
+        weight = self.mlp.fused_gate_up_weight()
+        gate_up, residual = kernels.norm_linear(attn_out, residual, norm.weight, norm.eps, weight)
+        return self.mlp.down_proj.forward_gated(gate_up, kernels), residual

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from graphguard.engine.models.layers import Linear
-from graphguard.kernels import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,8 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features)
         self.shard = shard
 
-    def forward(self, x: Tensor, kernels: TorchKernels | None = None) -> Tensor:
-        return self.shard.all_reduce(super().forward(x, kernels))
+    def reduce(self, out: Tensor) -> Tensor:
+        return self.shard.all_reduce(out)
 
 
 class VocabParallelEmbedding(nn.Module):

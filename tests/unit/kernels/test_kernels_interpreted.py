@@ -98,6 +98,56 @@ def test_a_dependent_launchs_linear_gives_the_plain_launchs_bits(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,outs,inter", [(1, 96, 200), (5, 40, 128), (16, 24, 300)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_silu_into_the_linear_gives_silu_mul_then_the_linears_bits(
+    monkeypatch, dtype, rows, outs, inter, pdl
+):
+    gate_up = torch.randn(rows, 2 * inter).to(dtype)
+    weight = (torch.randn(outs, inter) / inter**0.5).to(dtype)
+    unfused = triton_linear.few_rows_linear(triton_mlp.silu_mul(gate_up), weight)
+    monkeypatch.setattr(triton_linear, "dependent_launch", lambda device: pdl)
+    assert torch.equal(triton_linear.few_rows_silu_linear(gate_up, weight), unfused)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,outs,hidden", [(1, 96, 576), (5, 40, 100), (16, 64, 1024)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_the_norm_into_the_linear_matches_the_norm_then_the_linear(
+    dtype, rows, outs, hidden, with_residual
+):
+    x, residual = torch.randn(2, rows, hidden).to(dtype)
+    gamma = (torch.rand(hidden) + 0.5).to(dtype)
+    weight = (torch.randn(outs, hidden) / hidden**0.5).to(dtype)
+    if with_residual:
+        normed, summed = triton_norm.add_rms_norm(x, residual, gamma, 1e-6)
+    else:
+        normed, summed = triton_norm.rms_norm(x, gamma, 1e-6), x
+    unfused = triton_linear.few_rows_linear(normed, weight)
+    out, fused_sum = triton_linear.few_rows_norm_linear(
+        x, residual if with_residual else None, gamma, 1e-6, weight
+    )
+    assert torch.equal(fused_sum, summed)  # the residual sum rounds as the norm kernel's
+    # NOTE: the RMS sums the row in K tiles, the norm kernel in one reduction: an ulp apart
+    assert rel_error(out, unfused) < TOLERANCE[dtype]
+    reference = REFERENCE.linear(REFERENCE.rms_norm(summed.float(), gamma.float(), 1e-6),
+                                 weight.float())  # fmt: skip
+    assert rel_error(out, reference) < 2 * TOLERANCE[dtype]
+
+
+def test_a_split_norm_linear_matches_the_unsplit_one():
+    x, residual = torch.randn(2, 3, 1024).half()
+    gamma = (torch.rand(1024) + 0.5).half()
+    weight = (torch.randn(64, 1024) / 32).half()
+    plain = triton_linear.few_rows_norm_linear(x, residual, gamma, 1e-6, weight)
+    split = triton_linear.few_rows_norm_linear(
+        x, residual, gamma, 1e-6, weight, triton_linear.LinearPlan(splits=4)
+    )
+    assert torch.equal(split[1], plain[1])
+    assert rel_error(split[0], plain[0]) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_reference(dtype):
     gate_up = torch.randn(5, 2 * 1500).to(dtype)  # a width that is not a whole block
     expected = REFERENCE.silu_mul(gate_up.float())

@@ -22,7 +22,8 @@ from graphguard.engine.models.forward import (  # noqa: E402
     prefill_stages,
 )
 from graphguard.engine.scheduling.kv import PagedKVStorage  # noqa: E402
-from graphguard.kernels import HeadShape, TorchKernels  # noqa: E402
+from graphguard.kernels import HeadShape, TorchKernels, triton_linear  # noqa: E402
+from graphguard.kernels import fused as fused_module  # noqa: E402
 from graphguard.kernels import triton_prefill as kernel  # noqa: E402
 from graphguard.kernels.fused import TritonKernels  # noqa: E402
 from graphguard.segmented import run_eager, split_segments  # noqa: E402
@@ -226,3 +227,34 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     (ref_first, ref_second), (first, second) = outputs
     assert rel_error(first, ref_first) < 1e-4 and rel_error(second, ref_second) < 1e-4
     assert fused.num_prefill_calls == 2 * config.num_layers
+
+
+def test_with_gemm_prologues_a_few_rows_step_norms_and_activates_inside_its_gemms(monkeypatch):
+    """GRAPHGUARD_GEMM_PROLOGUES=1: a step of 9 tokens (few rows) runs each layer's two norms
+    and its SiLU inside the GEMMs they feed, and gives the reference set's hidden states."""
+    monkeypatch.setenv(fused_module.PROLOGUES_ENV, "1")
+    calls: list[str] = []
+    for name in ("few_rows_norm_linear", "few_rows_silu_linear"):
+        real = getattr(triton_linear, name)
+        monkeypatch.setattr(triton_linear, name, spy(real, name, calls))
+    config = tiny_config(head_dim=16)
+    outputs = []
+    for kernels in (TorchKernels(), TritonKernels()):
+        model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
+        model.use_kernels(kernels)
+        kv = PagedKVStorage(
+            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
+            num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
+        )  # fmt: skip
+        outputs.append(model_step(model, kv, [(0, 0, 9)], staged=False))
+    assert rel_error(outputs[1], outputs[0]) < 1e-4
+    norms, silus = calls.count("few_rows_norm_linear"), calls.count("few_rows_silu_linear")
+    assert (norms, silus) == (2 * config.num_layers, config.num_layers)
+
+
+def spy(fn, name: str, calls: list[str]):
+    def called(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return called
