@@ -303,3 +303,22 @@ def test_gemm_prologues_give_the_unfused_kernels_results_and_replay_bit_for_bit(
         static = fused_pair()
     graph.replay()
     assert all(torch.equal(a, b) for a, b in zip(static, (out, fused_sum, silu_out), strict=True))
+
+
+@pytest.mark.skipif(isinstance(load_bindings(), str), reason="needs cuda.bindings")
+def test_gemm_prologues_take_three_kernels_a_layer_out_of_the_decode_step(fused, monkeypatch):
+    """With the norms and SiLU inside the GEMMs the captured Qwen3-0.6B decode step has three
+    kernels a layer fewer, and its logits stay within bfloat16's band of the separate kernels'
+    and give their clear greedy tokens."""
+    separate = captured_kernels("qwen3-0.6b", 4, fused) - captured_kernels("qwen3-0.6b", 2, fused)
+    plain_step, inputs = decode_step("qwen3-0.6b", 6, fused, batch=16)
+    expected = plain_step.decode(*inputs)
+    monkeypatch.setattr(fused, "gemm_prologues", True)
+    inside = captured_kernels("qwen3-0.6b", 4, fused) - captured_kernels("qwen3-0.6b", 2, fused)
+    assert (separate - inside) / 2 == 3, (separate, inside)
+    got = decode_step("qwen3-0.6b", 6, fused, batch=16)[0].decode(*inputs)
+    assert rel_error(got, expected) < 2e-2
+    top2 = expected.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * expected.std()
+    assert clear.sum() >= 4
+    assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
