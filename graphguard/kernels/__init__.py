@@ -44,7 +44,10 @@ class KernelSelection:
         return self.kernels.name
 
     def describe(self) -> str:
-        features = f"; {', '.join(self.cpu_features)}" if self.cpu_features else ""
+        """The set, why, and what runs beside it: a CPU's instruction sets, the opt-ins the
+        environment turned on (`TorchKernels.opt_ins`)."""
+        extras = (*self.cpu_features, *self.kernels.opt_ins())
+        features = f"; {', '.join(extras)}" if extras else ""
         return f"{self.name} ({self.reason}{features})"
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from graphguard.kernels import (
+    launch,
     triton_decode,
     triton_linear,
     triton_mlp,
@@ -41,6 +42,13 @@ class TritonKernels(TorchKernels):
     def __init__(self) -> None:
         self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
         self.gemm_prologues = os.environ.get(PROLOGUES_ENV, "0") == "1"
+
+    def opt_ins(self) -> tuple[str, ...]:
+        asked = (
+            (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
+            (f"{launch.PDL_ENV}=1", os.environ.get(launch.PDL_ENV) == "1"),
+        )
+        return tuple(name for name, on in asked if on)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded

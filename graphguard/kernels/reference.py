@@ -118,6 +118,11 @@ class TorchKernels:
         """Ready the set for `model`'s weights (at start and after weights are loaded in
         place); the plain ops need nothing."""
 
+    def opt_ins(self) -> tuple[str, ...]:
+        """What the environment turned on in this set that is off by default (the startup
+        log names it)."""
+        return ()
+
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """``x [M, K] @ weight[N, K].T`` (no bias)."""
         return F.linear(x, weight)
