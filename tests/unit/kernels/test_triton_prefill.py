@@ -207,6 +207,17 @@ def model_step(
     return run_eager(pieces, carry, PrefillContext(meta, kv))[0]
 
 
+def model_and_cache(config, kernels: TorchKernels) -> tuple[DecoderModel, PagedKVStorage]:
+    """The tiny model (the same weights every call) on `kernels`, and an empty cache for it."""
+    model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
+    model.use_kernels(kernels)
+    kv = PagedKVStorage(
+        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
+        num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    return model, kv
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["layers", "stages"])
 def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     """A chunked prefill (a prompt's first 25 tokens, then its next 15 beside a fresh prompt of
@@ -216,12 +227,7 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     fused = CountingTritonKernels()
     outputs = []
     for kernels in (TorchKernels(), fused):
-        model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
-        model.use_kernels(kernels)
-        kv = PagedKVStorage(
-            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
-            num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
-        )  # fmt: skip
+        model, kv = model_and_cache(config, kernels)
         first = model_step(model, kv, [(0, 0, 25)], staged)
         outputs.append((first, model_step(model, kv, [(0, 25, 15), (1, 0, 9)], staged)))
     (ref_first, ref_second), (first, second) = outputs
@@ -240,13 +246,7 @@ def test_with_gemm_prologues_a_few_rows_step_norms_and_activates_inside_its_gemm
     config = tiny_config(head_dim=16)
     outputs = []
     for kernels in (TorchKernels(), TritonKernels()):
-        model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
-        model.use_kernels(kernels)
-        kv = PagedKVStorage(
-            num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=16,
-            num_blocks=9, block_size=16, dtype=torch.float32, device="cpu",
-        )  # fmt: skip
-        outputs.append(model_step(model, kv, [(0, 0, 9)], staged=False))
+        outputs.append(model_step(*model_and_cache(config, kernels), [(0, 0, 9)], staged=False))
     assert rel_error(outputs[1], outputs[0]) < 1e-4
     norms, silus = calls.count("few_rows_norm_linear"), calls.count("few_rows_silu_linear")
     assert (norms, silus) == (2 * config.num_layers, config.num_layers)
