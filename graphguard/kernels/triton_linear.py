@@ -12,6 +12,11 @@ the NOTE below): each split writes a float32 partial, and the last of a column b
 to finish (an arrival counter, reset by that program) adds the partials in split order and
 writes the output. The sum's order is fixed, so the result is the same bits on every call, in
 any batch, eager or replayed.
+
+The kernel can also compute its input rows itself (`few_rows_norm_linear`,
+`few_rows_silu_linear`, asked for with GRAPHGUARD_GEMM_PROLOGUES=1: docs/kernels.md): the
+residual add and RMSNorm before a q/k/v or gate/up projection, or SiLU-and-multiply before the
+down projection, each K tile computed as the separate kernel computes it, one launch fewer.
 """
 
 from __future__ import annotations
