@@ -36,6 +36,8 @@ BLOCK_N = 16  # output features per program
 TARGET_PROGRAMS = 128
 MAX_SPLITS = 8
 MAX_UNITS = 1 << 16  # column blocks a split launch may count arrivals for
+PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input rows before the GEMM
+_NORM, _SILU = tl.constexpr(NORM), tl.constexpr(SILU)  # the same, as the kernels read them
 # NOTE: the engine's plans do not split K. Launches that share the arrival counters must not
 # run side by side on the device, and a capture's warm-up on its own stream may run beside a
 # step still in flight: with split plans, run 87 found staggered batches' greedy tokens changed
@@ -80,14 +82,14 @@ def _input_tile(
     by `inv_rms` and scaled, rounded where triton_norm rounds (NORM); or SiLU(gate) * up of
     rows that hold gate then up, as triton_mlp computes it (SILU)."""
     mask = is_row[:, None] & is_k[None, :]
-    if PROLOGUE == 2:
+    if PROLOGUE == _SILU:
         gate = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_rows + NUM_IN + ks[None, :], mask=mask, other=0.0)
         silu = gate / (1.0 + tl.exp(-gate))
         tile = (silu * up.to(tl.float32)).to(up.dtype)
     else:
         tile = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-        if PROLOGUE == 1:
+        if PROLOGUE == _NORM:
             if HAS_RESIDUAL:
                 residual = tl.load(r_rows + ks[None, :], mask=mask, other=0.0)
                 tile = (tile.to(tl.float32) + residual.to(tl.float32)).to(tile.dtype)
@@ -183,7 +185,7 @@ def _few_rows_kernel(
         w_first = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
         follow_previous(PDL)
     inv_rms = tl.zeros([ROWS], tl.float32)
-    if PROLOGUE == 1:
+    if PROLOGUE == _NORM:
         # every program needs its rows' whole sum; the first stores it for the caller
         store_sum = (block == 0) & (split == 0)
         sum_rows = sum_ptr + rows[:, None] * NUM_IN
@@ -247,9 +249,6 @@ def arrival_counters(device: torch.device) -> Tensor:
         counters = torch.zeros(MAX_UNITS, dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
-
-
-PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input rows before the GEMM
 
 
 def few_rows_linear(x: Tensor, weight: Tensor, plan: LinearPlan | None = None) -> Tensor:
