@@ -42,6 +42,8 @@ class SegmentGroup:
         self.backend = backend
         self.pool_group = PoolGroup(f"{name}:{key.describe()}")
         self.entries: list[GraphEntry] = []  # in pipeline order
+        # per entry: the carry positions whose static input is the segment before's output
+        self.passed_through: list[tuple[int, ...]] = []
         self.state = EntryState.NEW
         self.pin_count = 0  # > 0 while a replay is in progress (GraphCache.acquire)
         self.replays = 0
@@ -128,8 +130,12 @@ def capture_group(
     max_bytes: int,
 ) -> Generator[None, None, Carry]:
     """Capture each segment in order on the call's inputs, with the eager stages between,
-    yielding after each unit of work: a segment's static inputs and first warm-up (with the
-    eager stages before it), each further warm-up, its capture and first replay.
+    yielding after each unit of work: a segment's static inputs and first warm-up, each
+    further warm-up, its capture and first replay with the eager stage after it.
+
+    NOTE: a segment's replay and the eager stage after it are one unit: that stage may read
+    what the replay wrote outside the carry (the engine's K/V), and on a capture between steps
+    those writes go to the dummy block, which the steps run between units write too.
 
     Returns the output of the graphed path (each segment's first replay), for the parity check.
     Raises CaptureError, or GroupOverBudget as soon as the group alone exceeds `max_bytes`
@@ -141,16 +147,24 @@ def capture_group(
     # group capture's time.
     check_owners(owners, (group,), group.key)
     previous: tuple[Any, ...] = ()  # the last segment's static outputs
+    replayed = False  # a segment's first replay waits for the eager stage after it
     for piece in pieces:
         if not isinstance(piece, Segment):
             carry = run_piece(piece, carry, context)
+            if replayed:
+                replayed = False
+                yield
             continue
         entry = group.add_entry(carry_key(carry))
+        # NOTE: what an eager stage passes through from the segment before (the engine's
+        # residual stream, RoPE tables and cache slots) is read where that segment's graph
+        # writes it: no copy (replay_group checks that a call passes it through too).
+        group.passed_through.append(
+            tuple(i for i, arg in enumerate(carry) if any(arg is t for t in previous))
+        )
         for owner in owners:
             entry.retain(owner, checked=True)
         plan = CallPlan(entry.key, None)
-        # NOTE: what an eager stage passes through from the segment before (the residual
-        # stream, the RoPE tables) is read where that segment's graph writes it: no copy.
         static_args = make_static_args(entry, list(carry), plan, None, reuse=previous)
         for _ in range(entry.backend.num_warmup):
             entry.warm_up(piece)
@@ -159,6 +173,8 @@ def capture_group(
         if group.resident_bytes > max_bytes:
             raise GroupOverBudget
         carry = previous = tuple(entry.replay())
+        replayed = True
+    if replayed:
         yield
     return carry
 
@@ -168,16 +184,21 @@ def replay_group(
 ) -> tuple[Carry, bool]:
     """Replay the segments with the eager stages between; (output, every segment replayed).
 
-    If an eager stage hands a segment a carry its graph was not captured for, the rest of the
-    pipeline runs eagerly and the flag is False.
+    If an eager stage hands a segment a carry its graph was not captured for (other shapes, or
+    a new tensor where it passed the segment before's output through at capture), the rest of
+    the pipeline runs eagerly and the flag is False.
     """
-    entries = iter(group.entries)
+    entries = iter(zip(group.entries, group.passed_through, strict=True))
     for index, piece in enumerate(pieces):
         if not isinstance(piece, Segment):
             carry = run_piece(piece, carry, context)
             continue
-        entry = next(entries)
-        if carry_key(carry) != entry.key:
+        entry, passed = next(entries)
+        # NOTE: a passed-through position's static input is the segment before's output, which
+        # other positions may hold too: a new tensor there cannot be copied in.
+        if carry_key(carry) != entry.key or any(
+            carry[i] is not entry.static_args[i] for i in passed
+        ):
             return run_eager(pieces[index:], carry, context), False
         plan = CallPlan(entry.key, None)
         outputs = entry.replay(partial(copy_inputs, entry, list(carry), plan, None))

@@ -12,8 +12,8 @@ from graphguard.core.admission import AdmissionConfig
 from graphguard.core.keys import GraphKey
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
-from graphguard.segmented import Segment, SegmentedRunner, Stage, split_segments
-from graphguard.segmented.group import SegmentGroup
+from graphguard.segmented import Segment, SegmentedRunner, Stage, run_eager, split_segments
+from graphguard.segmented.group import SegmentGroup, capture_group
 from tests.runner_options import grouped
 from tests.unit.core.conftest import PerfCounter
 
@@ -379,3 +379,54 @@ def test_what_an_eager_stage_passes_through_is_read_where_the_segment_before_wro
     for seed in range(1, 4):
         assert_bitwise(runner((x_of(4, seed),), Ctx()), runner.eager((x_of(4, seed),), Ctx()))
     assert group.replays == 4
+
+
+@dataclass(frozen=True)
+class Skip:
+    skip: bool
+
+
+def skip_or_scale(ctx: Skip, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Passes h on, or 3 h, and keeps h as the residual: h twice in the carry when it skips."""
+    return (h if ctx.skip else h * 3.0), h
+
+
+def test_a_call_whose_eager_stage_does_not_pass_through_what_the_capture_did_runs_eagerly(make):
+    runner = make([
+        Stage("a", lambda x: (torch.tanh(x @ W),)),
+        Stage("maybe", skip_or_scale, eager=True),
+        Stage("b", lambda h, residual: (h @ W.T + residual,)),
+    ])  # fmt: skip
+    runner((x_of(4),), Skip(True))  # captured where h is passed through at both positions
+    for seed in (1, 2):
+        x = x_of(4, seed)
+        assert_bitwise(runner((x,), Skip(False)), runner.eager((x,), Skip(False)))
+    assert runner.stats()["fallbacks"] == {FallbackReason.UNBUCKETED_SHAPE.value: 2}
+    assert_bitwise(runner((x_of(4, 3),), Skip(True)), runner.eager((x_of(4, 3),), Skip(True)))
+
+
+def test_a_segments_replay_and_the_eager_stage_after_it_are_one_capture_unit():
+    """A stage after a segment reads what the segment's graph wrote outside the carry (the
+    engine's K/V); steps run between a capture's units may write the same place (the dummy
+    block). Here each unit is followed by such a write: the captured path still equals eager."""
+    state = torch.zeros(4, 8)
+
+    def write(x: torch.Tensor) -> tuple[torch.Tensor]:
+        state.copy_(torch.tanh(x @ W))  # a side effect, as the K/V write
+        return (x,)
+
+    def read(ctx: Ctx, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x + state,)
+
+    pieces = split_segments([Stage("w", write), Stage("r", read, eager=True),
+                             Stage("out", lambda x: (x.sin(),))])  # fmt: skip
+    group = SegmentGroup(GraphKey(("k",)), SimBackend(num_warmup=2), "segmented")
+    units = capture_group(group, pieces, (x_of(4),), Ctx(), (), 1 << 30)
+    try:
+        while True:
+            next(units)
+            state.fill_(100.0)  # a step between units writes the shared place
+    except StopIteration as done:
+        graphed = done.value
+    assert_bitwise(graphed, run_eager(pieces, (x_of(4),), Ctx()))
+    group.retire()
