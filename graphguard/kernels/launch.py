@@ -43,9 +43,16 @@ def dependent_launch(device: torch.device) -> bool:
     enabled = _BY_DEVICE.get(index)
     if enabled is None:
         major, _ = torch.cuda.get_device_capability(index)
-        enabled = major >= 9 and os.environ.get(PDL_ENV, "0") == "1"
+        # NOTE: a ROCm device reports a capability too (9 for MI300): NVIDIA's alone have PDL
+        enabled = torch.version.hip is None and major >= 9 and os.environ.get(PDL_ENV) == "1"
         _BY_DEVICE[index] = enabled
     return enabled
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keywords of a dependent launch; none for a plain one (a Triton backend
+    without the option, such as AMD's, refuses the keyword)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule
-from graphguard.kernels.launch import dependent_launch, follow_previous
+from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
 
 MERGE_CHUNK = 16  # splits the merge loads at once: a few round trips, not one per split
 
@@ -284,13 +284,13 @@ def decode_attention(
         SPLIT_TILES=plan.split_tokens // plan.block_n if _INTERPRETED else 1,
         DYNAMIC_LOOP=not _INTERPRETED, DIRECT=plan.num_splits == 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_options(pdl),
     )  # fmt: skip
     if plan.num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
             NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
             CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, PDL=pdl,
-            num_warps=2, launch_pdl=pdl,
+            num_warps=2, **launch_options(pdl),
         )  # fmt: skip
     return out

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous
+from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
 
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
@@ -314,6 +314,6 @@ def _launch(
         NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, launch_pdl=pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_options(pdl),
     )  # fmt: skip
     return out, summed

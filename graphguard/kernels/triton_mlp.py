@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous
+from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
 
 BLOCK = 1024  # columns per program
 
@@ -50,6 +50,6 @@ def _launch(gate: Tensor, up: Tensor, width: int) -> Tensor:
         pdl = dependent_launch(up.device)
         _silu_mul_kernel[grid](
             gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=BLOCK, PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            num_warps=4, **launch_options(pdl),
         )  # fmt: skip
     return out

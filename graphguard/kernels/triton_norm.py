@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous
+from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
             BLOCK=block,
             PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
-            launch_pdl=pdl,
+            **launch_options(pdl),
         )
     return out, summed
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous
+from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
 from graphguard.kernels.reference import HeadShape, QKNorm
 
 
@@ -162,7 +162,7 @@ def _launch(
         qkv.stride(0), cos.stride(0), norm.eps,
         NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads, HEAD_DIM=heads.head_dim,
         HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None, PDL=pdl,
-        num_warps=1 if heads.head_dim <= 128 else 2, launch_pdl=pdl,
+        num_warps=1 if heads.head_dim <= 128 else 2, **launch_options(pdl),
     )  # fmt: skip
 
 
@@ -233,6 +233,6 @@ def rope_pair(
             q.stride(0), k.stride(0), row_stride, cos.stride(1), length, norm.eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim,
             HAS_NORM=qk_norm is not None, PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
-            launch_pdl=pdl,
+            **launch_options(pdl),
         )  # fmt: skip
     return q_out, k_out

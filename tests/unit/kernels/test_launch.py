@@ -58,3 +58,9 @@ def test_the_startup_line_names_the_opt_ins_the_environment_turned_on(monkeypatc
     monkeypatch.setenv(PROLOGUES_ENV, "1")
     described = KernelSelection(TritonKernels(), "asked for").describe()
     assert described == f"triton (asked for; {PROLOGUES_ENV}=1, {launch.PDL_ENV}=1)"
+
+
+def test_a_rocm_device_never_launches_as_a_dependent(gpu_of, monkeypatch):
+    device = gpu_of(9)  # an MI300 reports capability 9
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not launch.dependent_launch(device)
