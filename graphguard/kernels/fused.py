@@ -46,7 +46,7 @@ class TritonKernels(TorchKernels):
     def opt_ins(self) -> tuple[str, ...]:
         asked = (
             (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
-            (f"{launch.PDL_ENV}=1", os.environ.get(launch.PDL_ENV) == "1"),
+            (f"{launch.PDL_ENV}=1", launch.asked_for()),
         )
         return tuple(name for name, on in asked if on)
 

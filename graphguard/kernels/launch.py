@@ -44,15 +44,24 @@ def dependent_launch(device: torch.device) -> bool:
     if enabled is None:
         major, _ = torch.cuda.get_device_capability(index)
         # NOTE: a ROCm device reports a capability too (9 for MI300): NVIDIA's alone have PDL
-        enabled = torch.version.hip is None and major >= 9 and os.environ.get(PDL_ENV) == "1"
+        enabled = torch.version.hip is None and major >= 9 and asked_for()
         _BY_DEVICE[index] = enabled
     return enabled
 
 
-def launch_options(pdl: bool) -> dict[str, bool]:
-    """The launch keywords of a dependent launch; none for a plain one (a Triton backend
-    without the option, such as AMD's, refuses the keyword)."""
-    return {"launch_pdl": True} if pdl else {}
+def asked_for() -> bool:
+    """Whether the environment asks for dependent launches (GRAPHGUARD_PDL=1)."""
+    return os.environ.get(PDL_ENV) == "1"
+
+
+def launch_flags(device: torch.device) -> dict[str, bool]:
+    """A kernel launch's keywords on `device`: the kernel's PDL flag and, for a dependent
+    launch, the launch option, always together (a dependent launch whose programs did not wait
+    would race the kernel before it). A plain launch passes no launch option: a Triton backend
+    without it, such as AMD's, refuses the keyword."""
+    if dependent_launch(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @triton.jit

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule
-from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
+from graphguard.kernels.launch import follow_previous, launch_flags
 
 MERGE_CHUNK = 16  # splits the merge loads at once: a few round trips, not one per split
 
@@ -270,7 +270,7 @@ def decode_attention(
     if plan.num_splits > 1:
         part_out = q.new_empty((*q.shape[:2], plan.num_splits, head_dim), dtype=torch.float32)
         part_lse = q.new_empty((*q.shape[:2], plan.num_splits), dtype=torch.float32)
-    pdl = dependent_launch(q.device)
+    flags = launch_flags(q.device)
     _partial_kernel[(num_seqs, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out,
         scale, block_tables.stride(0), plan.num_splits, plan.split_tokens,
@@ -283,14 +283,14 @@ def decode_attention(
         # width (only the interpreter needs its trip count as a constant).
         SPLIT_TILES=plan.split_tokens // plan.block_n if _INTERPRETED else 1,
         DYNAMIC_LOOP=not _INTERPRETED, DIRECT=plan.num_splits == 1,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_options(pdl),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **flags,
     )  # fmt: skip
     if plan.num_splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
             NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
-            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, PDL=pdl,
-            num_warps=2, **launch_options(pdl),
+            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, num_warps=2,
+            **flags,
         )  # fmt: skip
     return out

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
+from graphguard.kernels.launch import follow_previous, launch_flags
 
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
@@ -306,14 +306,13 @@ def _launch(
         counters = arrival_counters(x.device)
     residual, gamma, eps = norm if norm is not None else (None, x, 0.0)
     summed = x if residual is None else x.new_empty((num_rows, num_in))
-    pdl = dependent_launch(x.device)
     _few_rows_kernel[(blocks, plan.splits)](
         x, weight, out, parts, counters, residual if residual is not None else x, gamma, summed,
         eps, num_rows, num_out, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0),
         NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_options(pdl),
+        HAS_RESIDUAL=residual is not None,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_flags(x.device),
     )  # fmt: skip
     return out, summed

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
+from graphguard.kernels.launch import follow_previous, launch_flags
 
 BLOCK = 1024  # columns per program
 
@@ -47,9 +47,8 @@ def _launch(gate: Tensor, up: Tensor, width: int) -> Tensor:
     out = torch.empty(num_rows, width, dtype=up.dtype, device=up.device)
     if num_rows:
         grid = (num_rows, triton.cdiv(width, BLOCK))
-        pdl = dependent_launch(up.device)
         _silu_mul_kernel[grid](
-            gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=BLOCK, PDL=pdl,
-            num_warps=4, **launch_options(pdl),
+            gate, up, out, gate.stride(0), up.stride(0), width, BLOCK=BLOCK, num_warps=4,
+            **launch_flags(up.device),
         )  # fmt: skip
     return out

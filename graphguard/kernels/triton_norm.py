@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
+from graphguard.kernels.launch import follow_previous, launch_flags
 
 
 @triton.jit
@@ -54,7 +54,6 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
     summed = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(num_cols)
     if num_rows:
-        pdl = dependent_launch(x.device)
         _rms_norm_kernel[(num_rows,)](
             x,
             residual if residual is not None else x,
@@ -67,9 +66,8 @@ def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> t
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
-            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
-            **launch_options(pdl),
+            **launch_flags(x.device),
         )
     return out, summed
 

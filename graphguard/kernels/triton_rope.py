@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import dependent_launch, follow_previous, launch_options
+from graphguard.kernels.launch import follow_previous, launch_flags
 from graphguard.kernels.reference import HeadShape, QKNorm
 
 
@@ -155,14 +155,13 @@ def _launch(
         return
     norm = qk_norm or QKNorm(qkv, qkv, 0.0)  # unread without HAS_NORM
     grid = (qkv.shape[0], heads.num_heads + heads.num_kv_heads)
-    pdl = dependent_launch(qkv.device)
     _rope_kernel[grid](
         qkv, cos, sin, norm.q_weight, norm.k_weight,
         q_out, k_out, kv_cache[0], kv_cache[1], slots,
         qkv.stride(0), cos.stride(0), norm.eps,
         NUM_HEADS=heads.num_heads, NUM_KV_HEADS=heads.num_kv_heads, HEAD_DIM=heads.head_dim,
-        HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None, PDL=pdl,
-        num_warps=1 if heads.head_dim <= 128 else 2, **launch_options(pdl),
+        HAS_NORM=qk_norm is not None, WRITE_CACHE=slots is not None,
+        num_warps=1 if heads.head_dim <= 128 else 2, **launch_flags(qkv.device),
     )  # fmt: skip
 
 
@@ -227,12 +226,11 @@ def rope_pair(
     if num_tokens:
         norm = qk_norm or QKNorm(q, q, 0.0)  # unread without HAS_NORM
         row_stride = cos.stride(0) if rows > 1 else 0
-        pdl = dependent_launch(q.device)
         _rope_pair_kernel[(num_tokens, num_heads + k.shape[1])](
             q, k, cos, sin, norm.q_weight, norm.k_weight, q_out, k_out,
             q.stride(0), k.stride(0), row_stride, cos.stride(1), length, norm.eps,
             NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1], HEAD_DIM=head_dim,
-            HAS_NORM=qk_norm is not None, PDL=pdl, num_warps=1 if head_dim <= 128 else 2,
-            **launch_options(pdl),
+            HAS_NORM=qk_norm is not None, num_warps=1 if head_dim <= 128 else 2,
+            **launch_flags(q.device),
         )  # fmt: skip
     return q_out, k_out

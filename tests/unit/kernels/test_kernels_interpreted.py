@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' modules ar
 pytest.importorskip("triton")
 
 from graphguard.kernels import (  # noqa: E402
+    launch,
     triton_decode,
     triton_linear,
     triton_mlp,
@@ -93,7 +94,7 @@ def test_a_dependent_launchs_linear_gives_the_plain_launchs_bits(
     weight = (torch.randn(outs, ins) / ins**0.5).half()
     plan = triton_linear.LinearPlan(splits=splits)
     plain = triton_linear.few_rows_linear(x, weight, plan)
-    monkeypatch.setattr(triton_linear, "dependent_launch", lambda device: True)
+    monkeypatch.setattr(launch, "dependent_launch", lambda device: True)
     assert torch.equal(triton_linear.few_rows_linear(x, weight, plan), plain)
 
 
@@ -106,7 +107,7 @@ def test_silu_into_the_linear_gives_silu_mul_then_the_linears_bits(
     gate_up = torch.randn(rows, 2 * inter).to(dtype)
     weight = (torch.randn(outs, inter) / inter**0.5).to(dtype)
     unfused = triton_linear.few_rows_linear(triton_mlp.silu_mul(gate_up), weight)
-    monkeypatch.setattr(triton_linear, "dependent_launch", lambda device: pdl)
+    monkeypatch.setattr(launch, "dependent_launch", lambda device: pdl)
     assert torch.equal(triton_linear.few_rows_silu_linear(gate_up, weight), unfused)
 
 
