@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -112,17 +112,18 @@ def make_static_args(
     args: Sequence[Any],
     plan: CallPlan,
     buckets: Buckets | None,
-    reuse: Sequence[torch.Tensor] = (),
+    own: Collection[int] = (),
 ) -> list[Any]:
-    """Allocate the entry's static inputs on its device and fill them from `args`. An arg that
-    is one of `reuse` (tensors that outlive the entry and hold each call's value when it
-    replays: the static outputs of the graph before it in a group) is its own static input."""
+    """Allocate the entry's static inputs on its device and fill them from `args`. The args
+    at positions `own` (tensors that outlive the entry and hold each call's value when it
+    replays: the static outputs of the graph before it in a group) are their own static
+    inputs."""
     device = entry.backend.device
     static: list[Any] = []
     # NOTE: in the entry's pool, on its stream: the buffers are charged and freed with the graph.
     with entry.allocating():
         for position, (arg, part) in enumerate(zip(args, plan.key.args, strict=True)):
-            if any(arg is tensor for tensor in reuse):
+            if position in own:
                 static.append(arg)
             elif isinstance(part, TensorSpec):
                 buffer = torch.empty(part.shape, dtype=part.dtype, device=device)

@@ -159,13 +159,12 @@ def capture_group(
         # NOTE: what an eager stage passes through from the segment before (the engine's
         # residual stream, RoPE tables and cache slots) is read where that segment's graph
         # writes it: no copy (replay_group checks that a call passes it through too).
-        group.passed_through.append(
-            tuple(i for i, arg in enumerate(carry) if any(arg is t for t in previous))
-        )
+        passed = tuple(i for i, arg in enumerate(carry) if any(arg is t for t in previous))
+        group.passed_through.append(passed)
         for owner in owners:
             entry.retain(owner, checked=True)
         plan = CallPlan(entry.key, None)
-        static_args = make_static_args(entry, list(carry), plan, None, reuse=previous)
+        static_args = make_static_args(entry, list(carry), plan, None, own=passed)
         for _ in range(entry.backend.num_warmup):
             entry.warm_up(piece)
             yield

@@ -116,7 +116,8 @@ def fuse_linears(*linears: nn.Linear) -> Tensor:
 
 
 class GQAAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache: the weights, and the block from
+    its fused q/k/v rows on (`attend`; DecoderLayer computes those rows with its norm)."""
 
     qkv_weight: Tensor | None
 
@@ -145,26 +146,12 @@ class GQAAttention(nn.Module):
             raise RuntimeError("fuse() the model's projections before running it")
         return self.qkv_weight
 
-    def qkv(self, x: Tensor, kernels: TorchKernels) -> Tensor:
-        """x ``[T, hidden]`` -> fused q/k/v rows ``[T, (Hq + 2 Hkv) * D]``."""
-        return kernels.linear(x, self.fused_qkv_weight())
-
     def rope(self, qkv: Tensor, rope: Rope, kernels: TorchKernels) -> tuple[Tensor, Tensor, Tensor]:
         """Fused q/k/v rows -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, RoPE applied."""
         return kernels.rope_qkv(qkv, *rope, self.heads, self.qk_norm())
 
     def project_out(self, out: Tensor, kernels: TorchKernels) -> Tensor:
         return self.o_proj.forward(out.reshape(out.shape[0], -1), kernels)
-
-    def forward(
-        self,
-        x: Tensor,
-        rope: Rope,
-        meta: AttentionMetadata,
-        kv_cache: tuple[Tensor, Tensor],
-        kernels: TorchKernels,
-    ) -> Tensor:
-        return self.attend(self.qkv(x, kernels), rope, meta, kv_cache, kernels)
 
     def attend(
         self,
@@ -189,7 +176,8 @@ class GQAAttention(nn.Module):
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up as one GEMM."""
+    """down(silu(gate(x)) * up(x)), gate and up as one GEMM: the weights (DecoderLayer's
+    `mlp_block` runs them with the norm before)."""
 
     gate_up_weight: Tensor | None
 
@@ -209,10 +197,6 @@ class SwiGLUMLP(nn.Module):
         if self.gate_up_weight is None:
             raise RuntimeError("fuse() the model's projections before running it")
         return self.gate_up_weight
-
-    def forward(self, x: Tensor, kernels: TorchKernels) -> Tensor:
-        gate_up = kernels.linear(x, self.fused_gate_up_weight())
-        return self.down_proj.forward_gated(gate_up, kernels)
 
 
 class DecoderLayer(nn.Module):

@@ -127,7 +127,7 @@ class ModelRunner:
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table for seq in seqs]
+        tables = [_padded_table(seq.block_table, width) for seq in seqs]
         pad = prefill_token_bucket(num_tokens) - num_tokens if self.pad_prefills else 0
         if pad > 0:
             # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
@@ -138,15 +138,12 @@ class ModelRunner:
             slots += [dummy * self.block_size + i % self.block_size for i in range(pad)]
             seq_lens.append(pad)
             query_lens.append(pad)
-            tables = tables + [[dummy]]
+            tables.append(_padded_table([dummy], width))
         query_start_loc = _cumsum0(query_lens)
-        # NOTE: padding points at the reserved dummy block, never at a live sequence's KV.
-        pad_block = PagedKVStorage.DUMMY_BLOCK
-        padded_tables = [table + [pad_block] * (width - len(table)) for table in tables]
         ids_gpu, positions_gpu, slots_gpu, tables_gpu, lens_gpu, starts_gpu = (
             self.packed_inputs.pack_arrays(
                 [(input_ids, np.int64), (positions, np.int64), (slots, np.int64),
-                 (padded_tables, np.int32), (seq_lens, np.int32), (query_start_loc, np.int32)]
+                 (tables, np.int32), (seq_lens, np.int32), (query_start_loc, np.int32)]
             )
         )  # fmt: skip
         meta = AttentionMetadata(
@@ -185,7 +182,7 @@ class ModelRunner:
         width = width_bucket(max(len(seq.block_table) for seq in seqs))
         tables: list[list[int]] = []
         for seq, chunk in zip(seqs, chunks, strict=True):
-            tables += [_padded_table(seq, width)] * chunk
+            tables += [_padded_table(seq.block_table, width)] * chunk
         ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu = _pack_rows(
             self.row_inputs, bucket, ids, positions, slots, tables
         )
@@ -242,7 +239,7 @@ class ModelRunner:
         pad_id = DECODE_PAD[0]
         ids = [seq.last_token_id for seq in seqs] if ahead_ids is None else [pad_id] * len(seqs)
         slots = [self._slot(s, p) for s, p in zip(seqs, positions, strict=True)]
-        tables = [_padded_table(seq, width) for seq in seqs]
+        tables = [_padded_table(seq.block_table, width) for seq in seqs]
         graphs = self.graphs
         rows = graphs.decode_rows(len(seqs)) if graphs is not None else len(seqs)
         inputs = _pack_rows(self.decode_inputs, rows, ids, positions, slots, tables)
@@ -263,9 +260,10 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
 
-def _padded_table(seq: Sequence, width: int) -> list[int]:
-    """`seq`'s block table padded to `width` blocks with the dummy block."""
-    return seq.block_table + [DECODE_PAD[2]] * (width - len(seq.block_table))
+def _padded_table(table: list[int], width: int) -> list[int]:
+    """A block table padded to `width` blocks with the dummy block (padding never points at a
+    live sequence's KV)."""
+    return table + [DECODE_PAD[2]] * (width - len(table))
 
 
 def _pack_rows(
