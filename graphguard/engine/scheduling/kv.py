@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+TOKEN_BYTES = array("q").itemsize  # a token id's bytes where prefixes are hashed
+
 
 class OutOfBlocksError(RuntimeError):
     """Raised when more KV blocks are asked for than are free."""
@@ -214,6 +216,3 @@ def chain_hashes(data: bytes, block_size: int, known: Sequence[bytes] = ()) -> l
         previous = digest(previous + view[start : start + stride], digest_size=16).digest()
         hashes.append(previous)
     return hashes
-
-
-TOKEN_BYTES = array("q").itemsize
