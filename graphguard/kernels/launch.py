@@ -6,8 +6,15 @@ Each of the decode step's Triton kernels takes a `PDL` flag: with it, a program 
 next kernel launch (`griddepcontrol.launch_dependents`), then waits for the previous one
 (`griddepcontrol.wait`) before it reads anything a kernel of the step writes, or writes
 anything, so every such load and store is ordered as in a plain launch: only the launch, the
-program's start and (in the few-rows GEMM) its first weight tile overlap the kernel before it.
-A graph captures the dependency as a programmatic edge, so replays keep it.
+program's start and (in the few-rows GEMM) its weight overlap the kernel before it: the GEMM
+asks L2 for its whole share of the weight (`prefetch_l2`) and loads its first tile before the
+wait, so the weight's round trips to memory are spent while the kernel before it runs. A graph
+captures the dependency as a programmatic edge, so replays keep it.
+
+NOTE: what a program reads before its wait must not be written by any kernel of the step, not
+only by the one before it: a kernel whose programs let the next launch before they wait can be
+followed, through a chain of such kernels, by one that starts while a kernel two or more back
+is still running. A weight qualifies; a block table, a sequence length or the K/V cache do not.
 
 NOTE: every program waits, early exits included, before it does anything else: a kernel none
 of whose programs waited could finish before the kernel it depends on, and the kernel after it
@@ -62,6 +69,17 @@ def launch_flags(device: torch.device) -> dict[str, bool]:
     if dependent_launch(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
+
+
+@triton.jit
+def prefetch_l2(pointers):
+    """Ask L2 for the memory at `pointers` (one instruction each, nothing returned, nothing
+    waited for). On the device only: the interpreter has no such instruction."""
+    if _GDC:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; // $0", "=r,l", [pointers], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from graphguard.kernels.launch import follow_previous, launch_flags
+from graphguard.kernels.launch import follow_previous, launch_flags, prefetch_l2
 
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
 BLOCK_N = 16  # output features per program
@@ -141,6 +141,19 @@ def _walk_k(
 
 
 @triton.jit
+def _prefetch_weight(
+    w_rows, first_k, SPAN: tl.constexpr, NUM_IN: tl.constexpr, BLOCK_K: tl.constexpr,
+    SECTOR: tl.constexpr,
+):  # fmt: skip
+    """Ask L2 for the program's weight rows over its span of K, one prefetch per SECTOR
+    elements (a 32-byte sector), so the tile loads after PDL's wait find them there."""
+    sectors = tl.arange(0, BLOCK_K // SECTOR) * SECTOR
+    for tile in range(tl.cdiv(SPAN, BLOCK_K)):
+        ks = tl.minimum(first_k + tile * BLOCK_K + sectors, NUM_IN - 1)
+        prefetch_l2(w_rows + ks[None, :])
+
+
+@triton.jit
 def _few_rows_kernel(
     x_ptr,
     w_ptr,
@@ -161,6 +174,7 @@ def _few_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
+    SECTOR: tl.constexpr,  # weight elements in 32 bytes: what one L2 prefetch asks for
     PRECISION: tl.constexpr,
     PROLOGUE: tl.constexpr,  # PLAIN, NORM or SILU
     HAS_RESIDUAL: tl.constexpr,
@@ -177,9 +191,13 @@ def _few_rows_kernel(
     r_rows = residual_ptr + rows[:, None] * stride_residual
     first_k = split * span
     if PDL:
-        # NOTE: the first weight tile is asked for before the wait for the kernel before this
-        # one (graphguard/kernels/launch.py): no kernel of a step writes a weight, so its load
-        # overlaps that kernel's end. Everything else waits, as in a plain launch.
+        # NOTE: the weight is asked for before the wait for the kernel before this one
+        # (graphguard/kernels/launch.py): no kernel of a step writes a weight, so its round
+        # trips overlap that kernel. L2 gets the program's whole share (a row of 16 features
+        # reads 2-6 KiB), registers the first tile. Everything else waits, as in a plain launch.
+        # A column past the weight's end prefetches its last row, which the program reads anyway.
+        prefetch_rows = w_ptr + (tl.minimum(cols, num_out - 1)[:, None]).to(tl.int64) * stride_w
+        _prefetch_weight(prefetch_rows, first_k, span, NUM_IN, BLOCK_K, SECTOR)
         ks = first_k + tl.arange(0, BLOCK_K)
         is_k = ks < NUM_IN
         w_first = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & is_k[None, :], other=0.0)
@@ -311,6 +329,7 @@ def _launch(
         eps, num_rows, num_out, x.stride(0),
         residual.stride(0) if residual is not None else 0, weight.stride(0),
         NUM_IN=num_in, ROWS=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=plan.block_k, SPLITS=plan.splits,
+        SECTOR=32 // weight.element_size(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_flags(x.device),
