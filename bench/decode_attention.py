@@ -41,6 +41,8 @@ RULES = {
     "tiles of 128, 8 warps": dataclasses.replace(SPLIT_RULE, block_n=128, num_warps=8),
     "3 stages": dataclasses.replace(SPLIT_RULE, num_stages=3),
     "8 warps": dataclasses.replace(SPLIT_RULE, num_warps=8),
+    "merge, 4 programs a head": dataclasses.replace(SPLIT_RULE, merge_programs=4),
+    "merge, 8 programs a head": dataclasses.replace(SPLIT_RULE, merge_programs=8),
 }
 
 

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from graphguard.kernels import (  # noqa: E402
     triton_prefill,
     triton_rope,
 )
+from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule  # noqa: E402
 from graphguard.kernels.reference import HeadShape, QKNorm  # noqa: E402
 
 # The few-rows GEMM may read its weight before the wait: no kernel of a step writes one.
@@ -90,7 +91,7 @@ class Launch:
 
 VARIANT_KEYS = (
     "PDL", "DIRECT", "SPLITS", "PROLOGUE", "HAS_RESIDUAL", "HAS_NORM", "WRITE_CACHE", "BLOCK_M",
-    "BLOCK_N", "BLOCK", "CHUNK",
+    "BLOCK_N", "BLOCK", "CHUNK", "DIMS",
 )  # fmt: skip
 
 
@@ -175,11 +176,11 @@ def _cases(quick: bool) -> list[tuple[str, Callable[[], object]]]:
     def weight(num_out: int, num_in: int) -> torch.Tensor:
         return torch.zeros(num_out, num_in, dtype=DTYPE)
 
-    def attention(tokens: int) -> Callable[[], object]:
+    def attention(tokens: int, rule: SplitRule = SPLIT_RULE) -> Callable[[], object]:
         table = torch.zeros(1, tokens // BLOCK_SIZE, dtype=torch.int32)
         lens = torch.full((1,), tokens, dtype=torch.int32)
         q = torch.zeros(1, HEADS, HEAD_DIM, dtype=DTYPE)
-        return lambda: triton_decode.decode_attention(q, cache, table, lens, HEAD_DIM**-0.5)
+        return lambda: triton_decode.decode_attention(q, cache, table, lens, 0.1, rule)
 
     def o_proj(split: bool) -> Callable[[], object]:
         plan = triton_linear.plan_linear(2048, HIDDEN, split)
@@ -202,6 +203,7 @@ def _cases(quick: bool) -> list[tuple[str, Callable[[], object]]]:
     fused: list[tuple[str, Callable[[], object]]] = [
         ("decode attention, 256 tokens", attention(256)),
         ("decode attention, 2k tokens", attention(2048)),
+        ("decode attention, merge by 4", attention(2048, replace(SPLIT_RULE, merge_programs=4))),
         ("q/k/v after add + norm", norm_qkv(rows(HIDDEN))),
         ("q/k/v after norm", norm_qkv(None)),
         (

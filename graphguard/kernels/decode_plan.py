@@ -23,6 +23,7 @@ class SplitPlan(NamedTuple):
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
+    merge_programs: int = 1  # merge programs a query head: each takes head_dim / this dims
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class SplitRule:
     contexts split until one row has about `row_programs` programs (KV heads x splits), never
     into splits shorter than `min_split_tokens` (a split's partial costs a write and a read of
     4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V bytes) nor more than
-    `max_splits`. The width is the longest row's context rounded up to a power of two of blocks
+    `max_splits`. The merge of a split launch runs `merge_programs` programs a query head,
+    each over its share of the head's dimensions. The width is the longest row's context rounded up to a power of two of blocks
     (engine/shapes.py `width_bucket`), so a row fills between half of it and all of it and the
     splits past its end return at once. Measured on an H200 (bench/decode_attention.py, run 77
     in docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that
@@ -48,11 +50,14 @@ class SplitRule:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
+    merge_programs: int = 1
 
     def __post_init__(self) -> None:
-        tile = self.block_n
+        tile, merge = self.block_n, self.merge_programs
         if tile < 16 or tile & (tile - 1) or min(self.row_programs, self.max_splits) < 1:
             raise ValueError(f"unusable split rule {self}")
+        if merge < 1 or merge & (merge - 1):
+            raise ValueError(f"merge_programs must be a power of two, got {merge}")
 
     def plan(self, ctx_tokens: int, num_kv_heads: int) -> SplitPlan:
         """The plan of a launch over a block table of `ctx_tokens` slots and `num_kv_heads` KV
@@ -76,7 +81,9 @@ class SplitRule:
         tile = self.block_n
         split_tokens = _cdiv(_cdiv(ctx_tokens, splits), tile) * tile
         num_splits = _cdiv(ctx_tokens, split_tokens)
-        return SplitPlan(num_splits, split_tokens, tile, self.num_warps, self.num_stages)
+        return SplitPlan(
+            num_splits, split_tokens, tile, self.num_warps, self.num_stages, self.merge_programs
+        )
 
 
 SPLIT_RULE = SplitRule()

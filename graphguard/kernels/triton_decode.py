@@ -206,6 +206,7 @@ def _merge_kernel(
     NUM_CHUNKS: tl.constexpr,  # the interpreter's trip count (num_splits / CHUNK, rounded up)
     CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIMS: tl.constexpr,  # the dimensions of the head this program merges
     DYNAMIC_LOOP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -216,10 +217,12 @@ def _merge_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     num_used = (seq_len + split_tokens - 1) // split_tokens
     first_part = row * num_splits
-    dims = tl.arange(0, HEAD_DIM)
+    # NOTE: a program of a head's share of the dimensions reads all of its log-sum-exps: each
+    # computes the same weights, and the dimensions are independent of one another.
+    dims = tl.program_id(2) * DIMS + tl.arange(0, DIMS)
     m = tl.full([], float("-inf"), tl.float32)
     total = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([DIMS], tl.float32)
     # NOTE: chunks in split order, each reduced in one fixed order: the merge is deterministic
     if DYNAMIC_LOOP:
         for first in range(0, num_used, CHUNK):
@@ -287,10 +290,11 @@ def decode_attention(
         num_warps=plan.num_warps, num_stages=plan.num_stages, **flags,
     )  # fmt: skip
     if plan.num_splits > 1:
-        _merge_kernel[(num_seqs, num_heads)](
+        merge_programs = min(plan.merge_programs, head_dim // 16)
+        _merge_kernel[(num_seqs, num_heads, merge_programs)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
             NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
-            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DYNAMIC_LOOP=not _INTERPRETED, num_warps=2,
-            **flags,
+            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DIMS=head_dim // merge_programs,
+            DYNAMIC_LOOP=not _INTERPRETED, num_warps=2, **flags,
         )  # fmt: skip
     return out

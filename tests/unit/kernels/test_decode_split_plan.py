@@ -5,6 +5,7 @@ bucket (its own, or a larger one it rides). Run by Triton's CPU interpreter, at 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from graphguard.engine.config import GraphConfig  # noqa: E402
 from graphguard.engine.shapes import DECODE_PAD, width_bucket  # noqa: E402
 from graphguard.kernels import triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
+from graphguard.kernels.triton_decode import MERGE_CHUNK  # noqa: E402
 from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -112,16 +114,20 @@ def test_the_planned_attention_matches_the_reference(lens, width, heads, dtype):
 
 
 # Rules other than the default: tiles of 32 and 128 with their warps and stages, more splits
-# than a merge chunk with a last chunk of one split, one split over the whole context.
+# than a merge chunk with a last chunk of one split, one split over the whole context, a merge
+# of 4 programs a head (16 dims each at head_dim 64) and of more than the head has dims for.
 OTHER_RULES = [
     SplitRule(min_split_tokens=64, block_n=32, num_warps=2),
     SplitRule(min_split_tokens=128, block_n=128, num_warps=8, num_stages=3),
     SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64),
     SplitRule(direct_tokens=1 << 20),
+    SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64, merge_programs=4),
+    SplitRule(min_split_tokens=64, merge_programs=64),
 ]
+RULE_IDS = ["tiles32", "tiles128", "chunks2", "direct", "merge4", "merge_past_dims"]
 
 
-@pytest.mark.parametrize("rule", OTHER_RULES, ids=["tiles32", "tiles128", "chunks2", "direct"])
+@pytest.mark.parametrize("rule", OTHER_RULES, ids=RULE_IDS)
 def test_any_rule_gives_the_reference(rule):
     heads = HEADS[1]
     q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
@@ -133,6 +139,22 @@ def test_an_unusable_rule_is_refused():
     for bad in (dict(block_n=48), dict(block_n=8), dict(row_programs=0)):
         with pytest.raises(ValueError, match="unusable"):
             SplitRule(**bad)
+    for merge in (0, 3):
+        with pytest.raises(ValueError, match="power of two"):
+            SplitRule(merge_programs=merge)
+
+
+def test_a_merge_of_several_programs_a_head_gives_the_bits_of_one():
+    """Each program of a head computes the same weights from the same log-sum-exps; only
+    which dimensions it sums differs. In the interpreter the bits are equal; on the device
+    a plan's merge is fixed by the rule, whatever the batch."""
+    heads = HEADS[1]
+    q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
+    rule = SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64)
+    assert rule.plan(68 * BLOCK_SIZE, heads.num_kv_heads).num_splits > MERGE_CHUNK
+    one = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
+    four = dataclasses.replace(rule, merge_programs=4)
+    assert torch.equal(one, triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, four))
 
 
 def pad_to(rows: int, q, tables, seq_lens):
