@@ -7,7 +7,9 @@ Graphs are keyed by shapes, so a step is padded up to a few recurring ones:
 - a **prefill run as rows** (`prefills_as_rows`: each token one row of decode attention over its
   sequence's context, as a decode batch is) pads its tokens to a **row bucket**, a power of two;
 - a **packed prefill** (varlen attention over packed sequences, the segmented pipeline) pads its
-  tokens to a **token bucket** (`prefill_token_bucket`).
+  tokens to a **token bucket** (`prefill_token_bucket`); where its attention is in the graph
+  too (a kernel set's `whole_prefill_graphs`), its sequences to a **sequence bucket**
+  (`prefill_seq_bucket`, with empty sequences) and its block tables to a width.
 
 Padding rows read and write only the reserved dummy KV block (`DECODE_PAD`). The pad-up rule
 of the graph runtime (a call may ride a larger admitted bucket, up to a pad factor) and the
@@ -69,6 +71,25 @@ def prefill_token_bucket(num_tokens: int) -> int:
         return max(MIN_PREFILL_TOKENS, 1 << (num_tokens - 1).bit_length())
     step = 1 << (num_tokens.bit_length() - 3)
     return -(-num_tokens // step) * step
+
+
+def prefill_seq_bucket(num_seqs: int) -> int:
+    """The sequences a packed prefill whose attention is in its graph is padded to, its
+    tokens' padding sequence included: 2 (one prompt and its padding), then 8, 32, 128, ...
+    (a power of four apart: a wave of 15 questions and one of 17 share a key). An empty
+    sequence costs its attention a program that returns at once, and a row of the tables."""
+    bucket = 2
+    while bucket < num_seqs:
+        bucket *= 4
+    return bucket
+
+
+def wave_seq_buckets(max_rows: int) -> list[int]:
+    """The sequence buckets of a wave of continued chunks (short questions after cached
+    contexts) of up to `max_rows` sequences and its padding: from 8 up to the bucket of
+    `max_rows` + 1. A start captures the continued group at each (graphs/warmup.py)."""
+    top = prefill_seq_bucket(max_rows + 1)
+    return [bucket for bucket in (8, 32, 128, 512, 2048) if bucket <= top] or [top]
 
 
 def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:

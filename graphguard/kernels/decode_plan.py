@@ -36,11 +36,12 @@ class SplitRule:
     into splits shorter than `min_split_tokens` (a split's partial costs a write and a read of
     4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V bytes) nor more than
     `max_splits`. The merge of a split launch runs `merge_programs` programs a query head,
-    each over its share of the head's dimensions. The width is the longest row's context rounded up to a power of two of blocks
-    (engine/shapes.py `width_bucket`), so a row fills between half of it and all of it and the
-    splits past its end return at once. Measured on an H200 (bench/decode_attention.py, run 77
-    in docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that
-    also counted the rows: 50.9) and 16 rows at 98% of the bandwidth.
+    each over its share of the head's dimensions. The width is the longest row's context
+    rounded up to a power of two of blocks (engine/shapes.py `width_bucket`), so a row fills
+    between half of it and all of it and the splits past its end return at once. Measured on
+    an H200 (bench/decode_attention.py, run 77 in docs/gpu-validation.md), this plan read one
+    row of 32k in 55.7 us (the best plan that also counted the rows: 50.9) and 16 rows at 98%
+    of the bandwidth.
     """
 
     row_programs: int = 512

@@ -28,6 +28,9 @@ from graphguard.kernels.reference import TorchKernels
 # projection, each one kernel in a few-rows step (docs/kernels.md); off until the GPU has
 # measured it.
 PROLOGUES_ENV = "GRAPHGUARD_GEMM_PROLOGUES"
+# GRAPHGUARD_WHOLE_PREFILL=0: packed prefills in segments with eager attention between them, as
+# the reference set's run, instead of whole graphs (docs/segmented.md): for side-by-side runs.
+WHOLE_PREFILL_ENV = "GRAPHGUARD_WHOLE_PREFILL"
 
 
 class TritonKernels(TorchKernels):
@@ -42,11 +45,14 @@ class TritonKernels(TorchKernels):
     def __init__(self) -> None:
         self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
         self.gemm_prologues = os.environ.get(PROLOGUES_ENV, "0") == "1"
+        # the prefill attention reads the metadata's device tensors alone (triton_prefill.py)
+        self.whole_prefill_graphs = os.environ.get(WHOLE_PREFILL_ENV, "1") != "0"
 
     def opt_ins(self) -> tuple[str, ...]:
         asked = (
             (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
             (f"{launch.PDL_ENV}=1", launch.asked_for()),
+            (f"{WHOLE_PREFILL_ENV}=0", not self.whole_prefill_graphs),
         )
         return tuple(name for name, on in asked if on)
 

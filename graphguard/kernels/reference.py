@@ -113,6 +113,11 @@ class TorchKernels:
     # planned on the host every packed prefill step); a set whose kernel attends all of a
     # step's sequences in one launch needs none planned
     needs_prefill_groups = True
+    # whether `prefill_attention` reads only the metadata's device tensors (no host-side
+    # lengths, no host sync), so a packed prefill's attention can be captured with the rest of
+    # the step: the prefill pipeline is then one segment, a whole graph per (tokens, sequences,
+    # table width) key (graphguard/engine/models/forward.py `prefill_stages`)
+    whole_prefill_graphs = False
 
     def prepare(self, model: nn.Module) -> None:
         """Ready the set for `model`'s weights (at start and after weights are loaded in

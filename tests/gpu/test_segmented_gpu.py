@@ -112,7 +112,7 @@ class Setup:
     def logits_both(self, runner: SegmentedRunner, request) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-vocabulary logits of every prompt row: segmented graphs, then eager."""
         ids, positions, meta, splice = request
-        inputs = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
+        inputs = prefill_inputs(self.model, ids, positions, splice, meta)
         graphed = runner(inputs, PrefillContext(meta, self.kv))[0]
         eager = eager_prefill(self.model, self.kv, ids, positions, meta, splice)
         return self.model.compute_logits(graphed), self.model.compute_logits(eager)

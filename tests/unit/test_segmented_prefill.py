@@ -89,7 +89,7 @@ def test_each_layers_kv_write_is_in_its_capturable_segment_not_the_eager_stage(m
     kv = kv_for(model)
     first, attention = split_segments(prefill_stages(model, kv))[:2]
     with torch.no_grad():
-        carry = first(*prefill_inputs(model, ids, positions, None, meta.slot_mapping))
+        carry = first(*prefill_inputs(model, ids, positions, None, meta))
     _, _, k, v, *_ = carry  # residual, q, k, v, cos, sin, slots
     slots = meta.slot_mapping
     assert torch.equal(kv.k_cache[0].flatten(0, 1)[slots], k)
@@ -104,7 +104,7 @@ def test_the_eager_pipeline_equals_forward_bitwise(model):
     with torch.no_grad():
         want = model(ids, positions, meta, kv)
         pieces = split_segments(prefill_stages(model, kv))
-        carry = prefill_inputs(model, ids, positions, None, meta.slot_mapping)
+        carry = prefill_inputs(model, ids, positions, None, meta)
         got = run_eager(pieces, carry, PrefillContext(meta, kv))
     assert torch.equal(got[0], want)
 
@@ -133,7 +133,7 @@ def test_segmented_graphs_equal_eager_with_changed_images_and_text(model):
         splice = splice_for(model, [1, 2, 7], seed=seed)
         with torch.no_grad():
             want = eager_prefill(model, kv, ids, positions, meta, splice)
-            carry = prefill_inputs(model, ids, positions, splice, meta.slot_mapping)
+            carry = prefill_inputs(model, ids, positions, splice, meta)
             got = runner(carry, PrefillContext(meta, kv))
         assert torch.equal(got[0], want)
     stats = runner.stats()

@@ -111,7 +111,8 @@ class EngineGraphs:
         )  # fmt: skip
         if self.prefill is not None and prefill_tokens:
             groups = self.continued_prefill_groups(prefill_tokens, widths)
-            report = self.warm_prefill(prefill_tokens, widths, groups=groups)
+            wave = max(batch_sizes)
+            report = self.warm_prefill(prefill_tokens, widths, groups=groups, wave_rows=wave)
             log.info(
                 "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured), len(prefill_tokens), report.seconds,
@@ -129,12 +130,16 @@ class EngineGraphs:
         widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
         progress: bool = True,
         groups: Sequence[int] = (),
+        wave_rows: int = 1,
     ) -> WarmupReport:
         """Capture the prefill graphs of `token_counts` tokens now, and the groups of segments
-        of `groups` tokens (graphs/warmup.py)."""
+        of `groups` tokens (for waves of up to `wave_rows` sequences, where the sequences are
+        part of the key: graphs/warmup.py)."""
         assert self.prefill is not None, "prefill graphs are off"
         rows, prefill = self.prefill_rows, self.prefill
-        return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress, groups)
+        return warm_prefill(
+            self.forward, rows, prefill, token_counts, widths, progress, groups, wave_rows
+        )
 
     def continued_prefill_groups(
         self, prefill_tokens: Sequence[int], widths: Sequence[int]
@@ -175,7 +180,10 @@ class EngineGraphs:
             if self.prefill_rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
                 groups = self.continued_prefill_groups(prefill_tokens, widths)
-            reports.append(self.warm_prefill(tokens, widths, progress=False, groups=groups))
+            wave = max(batch_sizes)
+            reports.append(
+                self.warm_prefill(tokens, widths, progress=False, groups=groups, wave_rows=wave)
+            )
         log.info(
             "graphguard lazy start: %d graphs captured in %.2f s",
             sum(len(report.captured) for report in reports),
@@ -291,11 +299,14 @@ def build_graphs(
         config.max_bytes,
     )
     if graphs.prefill is not None:
-        whole = graphs.prefill_rows is not None
+        rows = graphs.prefill_rows is not None
+        segments = graphs.prefill.num_segments
         log.info(
-            "graphguard prefill graphs on: %s%d segments",
-            f"whole graphs up to {ROW_PREFILL_TOKENS} tokens, above them " if whole else "",
-            graphs.prefill.num_segments,
+            "graphguard prefill graphs on: %s%s",
+            f"whole graphs up to {ROW_PREFILL_TOKENS} tokens as rows, above them " if rows else "",
+            "whole graphs of packed prefills (tokens, sequences and table width in buckets)"
+            if segments == 1
+            else f"{segments} segments",
         )
     else:
         log.info("graphguard prefill graphs off: prefill=False")

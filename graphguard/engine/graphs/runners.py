@@ -8,7 +8,9 @@
   where the kernel set runs no prefill as rows.
 - `prefill`: a SegmentedRunner of the prefill pipeline (models/forward.py cuts the decoder
   around attention: a model of L layers has L + 1 capturable segments), one group of segments
-  per packed token bucket, for every other prefill.
+  per packed token bucket, for every other prefill. Where the kernel set's attention is
+  capturable (`whole_prefill_graphs`), the pipeline is one segment: a whole graph per (token
+  bucket, sequence bucket, width bucket) key.
 
 Each runs eagerly with one named reason whenever it does not replay. A capture between steps
 runs on dummy inputs: padding rows for a decode or rows key, and for a group one fresh sequence
@@ -113,10 +115,15 @@ def segmented_runner(
 
 def dummy_prefill(forward: EagerForward, key: GraphKey) -> tuple[Carry, PrefillContext]:
     """The pipeline's inputs for a prefill of `key`'s token count that writes only the dummy
-    block: one fresh sequence of token 0."""
+    block: one fresh sequence of token 0 (then empty ones, in a key of whole graphs, up to
+    its sequences, over tables of its width)."""
     device = forward.model.embed_tokens.weight.device
-    ids, positions, meta = dummy_prefill_inputs(key.args[0].shape[0], forward.kv, device)
-    carry = prefill_inputs(forward.model, ids, positions, None, meta.slot_mapping)
+    num_tokens, shape = key.args[0].shape[0], {}
+    if forward.model.kernels.whole_prefill_graphs:  # ..., tables, lengths, query starts
+        num_seqs, width = key.args[-3].shape
+        shape = {"num_seqs": num_seqs, "width": width}
+    ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device, **shape)
+    carry = prefill_inputs(forward.model, ids, positions, None, meta)
     return carry, PrefillContext(meta, forward.kv)
 
 

@@ -13,6 +13,12 @@ write, and the eager stage is the attention launch alone). The ops are those of
 DecoderModel.forward in the same order, so the pipeline run eagerly gives the same hidden
 states; graphguard.segmented captures its capturable stages (engine/graphs/runners.py), and the
 same pipeline run eagerly is how image requests prefill when graphs are off.
+
+A kernel set whose packed attention reads only device tensors (`whole_prefill_graphs`: the
+fused set's one launch) makes every stage capturable: the block tables, sequence lengths and
+query starts travel in the carry, the pipeline is one segment, and a packed prefill replays as
+one graph keyed by its tokens, its sequences and its table width, each padded to a bucket
+(engine/step/model_runner.py), instead of a graph replay and an eager launch per layer.
 """
 
 from __future__ import annotations
@@ -137,14 +143,20 @@ class EagerForward:
 
 
 def dummy_prefill_inputs(
-    num_tokens: int, kv: PagedKVStorage, device: torch.device
+    num_tokens: int,
+    kv: PagedKVStorage,
+    device: torch.device,
+    num_seqs: int = 1,
+    width: int | None = None,
 ) -> tuple[Tensor, Tensor, AttentionMetadata]:
     """ids, positions and metadata of a prefill of `num_tokens` that writes only the dummy
-    block: one fresh sequence of token 0."""
+    block: one fresh sequence of token 0, then `num_seqs` - 1 empty ones (as a step's sequences
+    are padded to a bucket), tables `width` blocks wide (default: as the tokens need)."""
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
     dummy, block_size = PagedKVStorage.DUMMY_BLOCK, kv.block_size
-    width = -(-num_tokens // block_size)
+    width = -(-num_tokens // block_size) if width is None else width
+    seq_lens = [num_tokens] + [0] * (num_seqs - 1)
 
     def ints(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -152,12 +164,12 @@ def dummy_prefill_inputs(
     meta = AttentionMetadata(
         packed=True,
         slot_mapping=dummy * block_size + positions % block_size,
-        block_tables=torch.full((1, width), dummy, dtype=torch.int32, device=device),
-        seq_lens=ints([num_tokens]),
-        query_start_loc=ints([0, num_tokens]),
-        seq_lens_cpu=[num_tokens],
-        query_lens_cpu=[num_tokens],
-        prefill_groups=plan_prefill_groups([num_tokens], [num_tokens], device),
+        block_tables=torch.full((num_seqs, width), dummy, dtype=torch.int32, device=device),
+        seq_lens=ints(seq_lens),
+        query_start_loc=ints([0] + [num_tokens] * num_seqs),
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=list(seq_lens),
+        prefill_groups=plan_prefill_groups(seq_lens, seq_lens, device),
     )
     return ids, positions, meta
 
@@ -181,14 +193,23 @@ class PrefillContext:
 def prefill_stages(model: DecoderModel, kv: PagedKVStorage) -> list[Stage]:
     """The decoder as stages over the KV cache `kv`: embed, then per layer pre-attention |
     attention | post-attention, then the final norm. Between layers the carry is (h, residual,
-    cos, sin, slots): the residual stream travels unadded, as in DecoderModel.forward (the
-    first layer has none yet), and the tokens' cache slots go to each layer's K/V write."""
+    cos, sin, slots, *tables): the residual stream travels unadded, as in DecoderModel.forward
+    (the first layer has none yet), the tokens' cache slots go to each layer's K/V write, and
+    where the kernel set's attention is capturable (`whole_prefill_graphs`) the attention
+    metadata's tensors travel too (block tables, sequence lengths, query starts), read by
+    attention stages that are capturable themselves; elsewhere attention is eager and reads
+    the metadata from the call's PrefillContext."""
+    whole = model.kernels.whole_prefill_graphs
     stages = [Stage("embed", _embed(model))]
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         pre = _pre_attention(model, kv, index, layer, first=index == 0)
         stages.append(Stage(f"pre{index}", pre))
-        stages.append(Stage(f"attn{index}", _attention(model, index, layer), eager=True))
+        if whole:
+            attention = _whole_attention(model, kv, index, layer)
+        else:
+            attention = _attention(model, index, layer)
+        stages.append(Stage(f"attn{index}", attention, eager=not whole))
         stages.append(Stage(f"post{index}", _post_attention(model, layer)))
     stages.append(Stage("norm", _final_norm(model)))
     return stages
@@ -196,13 +217,13 @@ def prefill_stages(model: DecoderModel, kv: PagedKVStorage) -> list[Stage]:
 
 def _embed(model: DecoderModel) -> Any:
     def embed(
-        ids: Tensor, positions: Tensor, image_mask: Tensor, image_h: Tensor, slots: Tensor
+        ids: Tensor, positions: Tensor, image_mask: Tensor, image_h: Tensor, *tail: Tensor
     ) -> Carry:
         h = model.embed_tokens(ids)
         # NOTE: where() copies h exactly where the mask is false, so text rows match forward().
         h = torch.where(image_mask[:, None], image_h, h)
         cos, sin = model.rotary(positions, h.dtype)
-        return h, cos, sin, slots
+        return h, cos, sin, *tail  # tail: the slots, then the metadata's tensors if whole
 
     return embed
 
@@ -212,13 +233,14 @@ def _pre_attention(
 ) -> Any:
     def pre(h: Tensor, *carry: Tensor) -> Carry:
         residual = None if first else carry[0]
-        cos, sin, slots = carry[-3:]
+        tail = carry if first else carry[1:]  # cos, sin, slots, then the metadata's if whole
+        cos, sin, slots = tail[:3]
         qkv, residual = layer.norm_qkv(h, residual, model.kernels)
         q, k, v = layer.self_attn.rope(qkv, (cos, sin), model.kernels)
         # NOTE: idempotent (same slots, same values), as a graph's warm-ups and the parity
         # check's eager run need; a capture on dummy inputs writes only the dummy block.
         write_kv(kv.k_cache[index], kv.v_cache[index], k, v, slots)
-        return residual, q, k, v, cos, sin, slots
+        return residual, q, k, v, *tail
 
     return pre
 
@@ -230,6 +252,22 @@ def _attention(model: DecoderModel, index: int, layer: DecoderLayer) -> Any:
         kv_cache = (ctx.kv.k_cache[index], ctx.kv.v_cache[index])  # the new K/V written
         out = model.kernels.prefill_attention(q, k, v, kv_cache, ctx.meta, scale)
         return (residual, out, *rest)
+
+    return attention
+
+
+def _whole_attention(
+    model: DecoderModel, kv: PagedKVStorage, index: int, layer: DecoderLayer
+) -> Any:
+    """A layer's attention as a capturable stage: the metadata from the carry's tensors."""
+    scale = layer.self_attn.scale
+
+    def attention(residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *tail: Tensor) -> Carry:
+        _, _, slots, tables, seq_lens, query_start = tail
+        meta = AttentionMetadata(True, slots, tables, seq_lens, query_start)
+        kv_cache = (kv.k_cache[index], kv.v_cache[index])  # the new K/V written
+        out = model.kernels.prefill_attention(q, k, v, kv_cache, meta, scale)
+        return (residual, out, *tail)
 
     return attention
 
@@ -274,17 +312,21 @@ def image_splice(
 
 
 def prefill_inputs(
-    model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any, slots: Tensor
+    model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any, meta: AttentionMetadata
 ) -> Carry:
-    """The pipeline's input carry: ids, positions, image row mask, image rows [T, hidden] and
-    the tokens' cache slots (`AttentionMetadata.slot_mapping`)."""
+    """The pipeline's input carry: ids, positions, image row mask, image rows [T, hidden], the
+    tokens' cache slots and, where the kernel set's attention is capturable
+    (`whole_prefill_graphs`), the block tables, sequence lengths and query starts."""
     num_tokens, weight = ids.shape[0], model.embed_tokens.weight
     mask = torch.zeros(num_tokens, dtype=torch.bool, device=ids.device)
     image_h = torch.zeros(num_tokens, weight.shape[1], dtype=weight.dtype, device=ids.device)
     if splice is not None:
         mask[splice.rows] = True
         image_h.index_copy_(0, splice.rows, splice.embeds.to(weight.dtype))
-    return ids, positions, mask, image_h, slots
+    carry: Carry = (ids, positions, mask, image_h, meta.slot_mapping)
+    if model.kernels.whole_prefill_graphs:
+        carry += (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    return carry
 
 
 def eager_prefill(
@@ -299,5 +341,5 @@ def eager_prefill(
     if splice is None:
         return model(ids, positions, meta, kv)
     pieces = split_segments(prefill_stages(model, kv))
-    carry = prefill_inputs(model, ids, positions, splice, meta.slot_mapping)
+    carry = prefill_inputs(model, ids, positions, splice, meta)
     return run_eager(pieces, carry, PrefillContext(meta, kv))[0]

@@ -10,7 +10,8 @@ eager forward with one named reason.
 - A short prefill without images runs as rows (shapes.py `prefills_as_rows`): each token a row
   of decode attention over its sequence's context, padded like a decode batch.
 - Any other prefill runs as one packed call over the tokens of all prefilling sequences, image
-  rows spliced in, padded up to a token bucket when prefill graphs are asked for.
+  rows spliced in, padded up to a token bucket when prefill graphs are asked for (and, where
+  the kernel set's attention joins the graph, its sequences and table width to buckets too).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.engine.scheduling.sequence import Sequence
 from graphguard.engine.shapes import (
     DECODE_PAD,
+    prefill_seq_bucket,
     prefill_token_bucket,
     prefills_as_rows,
     row_bucket,
@@ -127,18 +129,28 @@ class ModelRunner:
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
+        # a whole graph is keyed by the tables' shape too: sequences and width padded
+        whole = self.pad_prefills and self.model.kernels.whole_prefill_graphs
+        width = width_bucket(width) if whole else width
         tables = [_padded_table(seq.block_table, width) for seq in seqs]
         pad = prefill_token_bucket(num_tokens) - num_tokens if self.pad_prefills else 0
+        dummy = PagedKVStorage.DUMMY_BLOCK
         if pad > 0:
             # NOTE: the padding is one more fresh sequence whose K/V go to the dummy block: it
             # attends only over itself, and no real row reads the dummy block.
-            dummy = PagedKVStorage.DUMMY_BLOCK
             input_ids += [0] * pad
             positions += range(pad)
             slots += [dummy * self.block_size + i % self.block_size for i in range(pad)]
             seq_lens.append(pad)
             query_lens.append(pad)
             tables.append(_padded_table([dummy], width))
+        if whole:
+            # empty sequences (no query, no context) up to the bucket: their attention
+            # programs exit at once (graphguard/kernels/triton_prefill.py)
+            empty = prefill_seq_bucket(len(seq_lens)) - len(seq_lens)
+            seq_lens += [0] * empty
+            query_lens += [0] * empty
+            tables += [_padded_table([dummy], width)] * empty
         query_start_loc = _cumsum0(query_lens)
         ids_gpu, positions_gpu, slots_gpu, tables_gpu, lens_gpu, starts_gpu = (
             self.packed_inputs.pack_arrays(
@@ -195,11 +207,12 @@ class ModelRunner:
     def _run_packed(
         self, ids: Tensor, positions: Tensor, meta: AttentionMetadata, splice: ImageSplice | None
     ) -> Tensor:
-        """Hidden states of a packed prefill: through the segment graphs, or eagerly."""
+        """Hidden states of a packed prefill: through the segment graphs (one whole graph
+        where the kernel set's attention is capturable), or eagerly."""
         prefill = self.graphs.prefill if self.graphs is not None else None
         if prefill is None:
             return self.forward.prefill(ids, positions, meta, splice)
-        carry = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
+        carry = prefill_inputs(self.model, ids, positions, splice, meta)
         return prefill(carry, PrefillContext(meta, self.kv))[0]
 
     def _logits(

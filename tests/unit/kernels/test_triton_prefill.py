@@ -91,6 +91,23 @@ def test_small_tiles_match_reference(heads, step):
     assert rel_error(run(batch, 0.1, SMALL_TILES), expected) < 2 * TOLERANCE[torch.float32]
 
 
+def test_empty_sequences_and_a_wider_table_change_no_row():
+    """A step padded for a whole prefill graph (engine/step/model_runner.py): empty sequences
+    after the real ones (no query, no context, a table of the dummy block) and tables padded to
+    a wider bucket. Their programs exit at once; every real row keeps its bits."""
+    heads = HEADS["gqa2"]
+    batch = packed_prefill(heads, *STEPS["continued"], torch.float16, "cpu")
+    meta = batch.meta
+    empty, extra_width = 3, 5
+    tables = torch.nn.functional.pad(meta.block_tables, (0, extra_width))  # block 0: unused
+    tables = torch.cat([tables, torch.zeros(empty, tables.shape[1], dtype=torch.int32)])
+    lens = torch.cat([meta.seq_lens, torch.zeros(empty, dtype=torch.int32)])
+    ends = meta.query_start_loc[-1:].expand(empty)
+    starts = torch.cat([meta.query_start_loc, ends])
+    padded = kernel.prefill_attention(batch.q, batch.kv_cache, starts, lens, tables, 0.1)
+    assert torch.equal(padded, run(batch, 0.1))
+
+
 @pytest.mark.parametrize("heads", [HEADS["gqa2"], HEADS["gqa8"]], ids=["gqa2", "gqa8"])
 def test_the_tiles_for_a_small_grid_match_reference(heads):
     """SMALL_CONFIGS, for a short chunk over a long context: 16 rows a program."""
@@ -202,7 +219,7 @@ def model_step(
     pos = torch.tensor(positions)
     if not staged:
         return model(ids, pos, meta, kv)
-    carry = prefill_inputs(model, ids, pos, None, meta.slot_mapping)
+    carry = prefill_inputs(model, ids, pos, None, meta)
     pieces = split_segments(prefill_stages(model, kv))
     return run_eager(pieces, carry, PrefillContext(meta, kv))[0]
 
@@ -233,6 +250,28 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     (ref_first, ref_second), (first, second) = outputs
     assert rel_error(first, ref_first) < 1e-4 and rel_error(second, ref_second) < 1e-4
     assert fused.num_prefill_calls == 2 * config.num_layers
+
+
+def test_with_the_fused_set_the_prefill_pipeline_is_one_capturable_segment():
+    """The fused set's attention reads only the carry's tensors, so no stage of the pipeline
+    is eager: a packed prefill is one graph (engine/models/forward.py), where the reference
+    set's pipeline has an eager attention stage between two segments per layer."""
+    config = tiny_config(head_dim=16)
+    fused = split_segments(prefill_stages(*model_and_cache(config, TritonKernels())))
+    assert len(fused) == 1 and not getattr(fused[0], "eager", False)
+    reference = split_segments(prefill_stages(*model_and_cache(config, TorchKernels())))
+    assert len(reference) == 2 * config.num_layers + 1
+
+
+def test_the_environment_can_keep_the_fused_sets_prefill_in_segments(monkeypatch):
+    """GRAPHGUARD_WHOLE_PREFILL=0 (side-by-side runs): eager attention between segments, as
+    the reference set's, and the startup line names it."""
+    monkeypatch.setenv(fused_module.WHOLE_PREFILL_ENV, "0")
+    config = tiny_config(head_dim=16)
+    kernels = TritonKernels()
+    pieces = split_segments(prefill_stages(*model_and_cache(config, kernels)))
+    assert len(pieces) == 2 * config.num_layers + 1
+    assert kernels.opt_ins() == ("GRAPHGUARD_WHOLE_PREFILL=0",)
 
 
 def test_with_gemm_prologues_a_few_rows_step_norms_and_activates_inside_its_gemms(monkeypatch):
