@@ -125,7 +125,7 @@ class Bench:
         ids, positions, meta = req["ids"], req["positions"], req["meta"]
         if runner is None:
             return eager_prefill(self.model, self.kv, ids, positions, meta, splice)
-        inputs = prefill_inputs(self.model, ids, positions, splice, meta.slot_mapping)
+        inputs = prefill_inputs(self.model, ids, positions, splice, meta)
         return runner(inputs, PrefillContext(meta, self.kv))[0]
 
 

@@ -84,14 +84,6 @@ def prefill_seq_bucket(num_seqs: int) -> int:
     return bucket
 
 
-def wave_seq_buckets(max_rows: int) -> list[int]:
-    """The sequence buckets of a wave of continued chunks (short questions after cached
-    contexts) of up to `max_rows` sequences and its padding: from 8 up to the bucket of
-    `max_rows` + 1. A start captures the continued group at each (graphs/warmup.py)."""
-    top = prefill_seq_bucket(max_rows + 1)
-    return [bucket for bucket in (8, 32, 128, 512, 2048) if bucket <= top] or [top]
-
-
 def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:
     """Whether a prefill of `num_tokens` tokens (padding included), none of whose sequences
     attends over more than `longest_context` tokens, runs as rows: each token one row of decode

@@ -290,7 +290,7 @@ def decode_attention(
         num_warps=plan.num_warps, num_stages=plan.num_stages, **flags,
     )  # fmt: skip
     if plan.num_splits > 1:
-        merge_programs = min(plan.merge_programs, head_dim // 16)
+        merge_programs = max(1, min(plan.merge_programs, head_dim // 16))  # 16 dims or more
         _merge_kernel[(num_seqs, num_heads, merge_programs)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
             NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,

@@ -60,9 +60,11 @@ class SegmentGroups:
         max_bytes: int,
         name: str,
         context_key: Callable[[Any], Hashable] | None = None,
+        fallback: Callable[[Call], Carry] | None = None,
     ):
         self.pieces = pieces
         self.context_key = context_key
+        self.fallback = fallback
         self.backend = backend
         self.verify = verify
         self.owners, self.options = options.owners_apart()
@@ -85,6 +87,8 @@ class SegmentGroups:
         return CallPlan(key, None)
 
     def eager(self, call: Call) -> Carry:
+        if self.fallback is not None:
+            return self.fallback(call)
         return run_eager(self.pieces, *call)
 
     def example(self, key: GraphKey) -> tuple[Call, CallPlan]:
@@ -171,6 +175,11 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         name: the runner's name in logs, metrics and stats.
         context_key: what of a call's context selects its segments' Python path, part of each
             group's key (a transformers model's active adapters); None: the carry alone.
+        fallback: answers a call that replays no group, `fallback((inputs, context))`, instead
+            of the pipeline run eagerly: another way to the same output carry (the engine's
+            whole prefill graphs fall back to its prefill segments). Timed as the eager call
+            is, so the payback rule weighs a capture against it; the parity check still runs
+            the pipeline eagerly.
     """
 
     def __init__(
@@ -186,6 +195,7 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         clock: Clock = time.monotonic,
         name: str = "segmented",
         context_key: Callable[[Any], Hashable] | None = None,
+        fallback: Callable[[Call], Carry] | None = None,
     ):
         capture = capture or CaptureConfig()
         if capture.background and capture.examples is None:
@@ -195,7 +205,9 @@ class SegmentedRunner(Runner[SegmentGroup, Call]):
         verify = verify if isinstance(verify, VerifyConfig) else VerifyConfig(verify)
         resolved = resolve_backend(backend, capture.device)
         pieces = split_segments(stages)
-        kind = SegmentGroups(pieces, resolved, verify, capture, max_bytes, name, context_key)
+        kind = SegmentGroups(
+            pieces, resolved, verify, capture, max_bytes, name, context_key, fallback
+        )
         super().__init__(
             kind, backend=resolved, max_bytes=max_bytes, admission=admission, capture=kind.options,
             metrics=metrics, clock=clock, name=name,

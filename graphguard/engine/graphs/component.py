@@ -1,11 +1,11 @@
 """The engine's graphs as one component, built from explicit inputs.
 
 `build_graphs` runs the capability check (graphs/capability.py) and returns either an
-`EngineGraphs` or the reason graphs are off. `EngineGraphs` holds the three runners a step
-replays (graphs/runners.py: `decode`, `prefill_rows`, `prefill`) as plain fields: the engine
-hands the component to its ModelRunner, which calls a runner or the eager forward in one
-visible branch; the engine calls start(), before_step(), invalidate(), close() and stats()
-at start, before each step, at reload, at shutdown and for /v1/graphs.
+`EngineGraphs` or the reason graphs are off. `EngineGraphs` holds the runners a step
+replays (graphs/runners.py: `decode`, `prefill_rows`, `prefill`, `prefill_whole`) as plain
+fields: the engine hands the component to its ModelRunner, which calls a runner or the eager
+forward in one visible branch; the engine calls start(), before_step(), invalidate(), close()
+and stats() at start, before each step, at reload, at shutdown and for /v1/graphs.
 
 With `GraphConfig.background_capture` a key that traffic earns is captured between steps: the
 engine calls before_step() once per step, on its step thread, and that runs bounded units of
@@ -37,7 +37,12 @@ from graphguard.core.switch import kill_switch_on
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.graphs.capability import GraphCapability, check_capability, engine_backend
 from graphguard.engine.graphs.pacing import CapturePacer
-from graphguard.engine.graphs.runners import decode_runner, rows_runner, segmented_runner
+from graphguard.engine.graphs.runners import (
+    decode_runner,
+    rows_runner,
+    segmented_runner,
+    whole_prefill_runner,
+)
 from graphguard.engine.graphs.warmup import prefill_knows_a_price, warm_decode, warm_prefill
 from graphguard.engine.models.forward import EagerForward
 from graphguard.engine.parallel.ranks import RankRole
@@ -82,6 +87,12 @@ class EngineGraphs:
         self.prefill: SegmentedRunner | None = (
             segmented_runner(forward, config, backend, self.metrics) if has_prefill else None
         )
+        # whole graphs of packed prefills, earned by traffic; until then the segments answer
+        self.prefill_whole: SegmentedRunner | None = (
+            whole_prefill_runner(forward, config, backend, self.metrics, self.prefill)
+            if self.prefill is not None
+            else None
+        )
         self._prefill_turn = False  # whose unit runs when both capture between steps
         self.pacer = CapturePacer(config.capture_pacing, self.advance_capture)
 
@@ -111,8 +122,7 @@ class EngineGraphs:
         )  # fmt: skip
         if self.prefill is not None and prefill_tokens:
             groups = self.continued_prefill_groups(prefill_tokens, widths)
-            wave = max(batch_sizes)
-            report = self.warm_prefill(prefill_tokens, widths, groups=groups, wave_rows=wave)
+            report = self.warm_prefill(prefill_tokens, widths, groups=groups)
             log.info(
                 "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured), len(prefill_tokens), report.seconds,
@@ -130,16 +140,12 @@ class EngineGraphs:
         widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
         progress: bool = True,
         groups: Sequence[int] = (),
-        wave_rows: int = 1,
     ) -> WarmupReport:
         """Capture the prefill graphs of `token_counts` tokens now, and the groups of segments
-        of `groups` tokens (for waves of up to `wave_rows` sequences, where the sequences are
-        part of the key: graphs/warmup.py)."""
+        of `groups` tokens (graphs/warmup.py)."""
         assert self.prefill is not None, "prefill graphs are off"
         rows, prefill = self.prefill_rows, self.prefill
-        return warm_prefill(
-            self.forward, rows, prefill, token_counts, widths, progress, groups, wave_rows
-        )
+        return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress, groups)
 
     def continued_prefill_groups(
         self, prefill_tokens: Sequence[int], widths: Sequence[int]
@@ -180,10 +186,7 @@ class EngineGraphs:
             if self.prefill_rows is not None and prefill_tokens:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
                 groups = self.continued_prefill_groups(prefill_tokens, widths)
-            wave = max(batch_sizes)
-            reports.append(
-                self.warm_prefill(tokens, widths, progress=False, groups=groups, wave_rows=wave)
-            )
+            reports.append(self.warm_prefill(tokens, widths, progress=False, groups=groups))
         log.info(
             "graphguard lazy start: %d graphs captured in %.2f s",
             sum(len(report.captured) for report in reports),
@@ -234,7 +237,7 @@ class EngineGraphs:
 
     def runners(self) -> list[GraphRunner | SegmentedRunner]:
         """Every runner: decode first, then those of prefill."""
-        prefill = [self.prefill_rows, self.prefill]
+        prefill = [self.prefill_rows, self.prefill, self.prefill_whole]
         return [self.decode, *(runner for runner in prefill if runner is not None)]
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -262,7 +265,16 @@ class EngineGraphs:
             stats["prefill"] = self.prefill.stats()
             stats["prefill"]["groups_detail"] = [asdict(i) for i in self.prefill.group_infos()]
             stats["prefill"]["rows"] = _rows_stats(self.prefill_rows)
+            stats["prefill"]["whole"] = _whole_stats(self.prefill_whole)
         return stats
+
+
+def _whole_stats(whole: SegmentedRunner | None) -> dict[str, Any] | None:
+    if whole is None:
+        return None
+    stats = whole.stats()
+    stats["groups_detail"] = [asdict(info) for info in whole.group_infos()]
+    return stats
 
 
 def _rows_stats(rows: GraphRunner | None) -> dict[str, Any] | None:
@@ -300,13 +312,12 @@ def build_graphs(
     )
     if graphs.prefill is not None:
         rows = graphs.prefill_rows is not None
-        segments = graphs.prefill.num_segments
+        whole = graphs.prefill_whole is not None
         log.info(
-            "graphguard prefill graphs on: %s%s",
+            "graphguard prefill graphs on: %s%d segments%s",
             f"whole graphs up to {ROW_PREFILL_TOKENS} tokens as rows, above them " if rows else "",
-            "whole graphs of packed prefills (tokens, sequences and table width in buckets)"
-            if segments == 1
-            else f"{segments} segments",
+            graphs.prefill.num_segments,
+            ", and whole graphs of the packed prefills that recur" if whole else "",
         )
     else:
         log.info("graphguard prefill graphs off: prefill=False")

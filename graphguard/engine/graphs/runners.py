@@ -8,9 +8,11 @@
   where the kernel set runs no prefill as rows.
 - `prefill`: a SegmentedRunner of the prefill pipeline (models/forward.py cuts the decoder
   around attention: a model of L layers has L + 1 capturable segments), one group of segments
-  per packed token bucket, for every other prefill. Where the kernel set's attention is
-  capturable (`whole_prefill_graphs`), the pipeline is one segment: a whole graph per (token
-  bucket, sequence bucket, width bucket) key.
+  per packed token bucket, for every other prefill.
+- `prefill_whole`: where the kernel set's packed attention reads only device tensors
+  (`whole_prefill_graphs`), a SegmentedRunner of the pipeline's whole form: one segment, one
+  graph per (token, sequence, width) bucket that traffic earns; a packed prefill without its
+  graph is answered by `prefill`'s segments, not eagerly.
 
 Each runs eagerly with one named reason whenever it does not replay. A capture between steps
 runs on dummy inputs: padding rows for a decode or rows key, and for a group one fresh sequence
@@ -113,17 +115,66 @@ def segmented_runner(
     )
 
 
+def whole_prefill_runner(
+    forward: EagerForward,
+    config: GraphConfig,
+    backend: str | Backend,
+    metrics: GraphMetrics,
+    segments: SegmentedRunner,
+) -> SegmentedRunner | None:
+    """Packed prefills as whole graphs (the pipeline's whole form: one segment), or None where
+    the kernel set's prefill attention needs host-side lengths. A call without its graph is
+    answered by `segments` (its carry without the metadata's tensors), timed as the eager
+    call would be: a key is captured when its replays would repay the capture against the
+    segments, the engine's alternative, not against an eager forward."""
+    if not forward.model.kernels.whole_prefill_graphs:
+        return None
+
+    def by_segments(call: tuple[Carry, PrefillContext]) -> Carry:
+        carry, context = call
+        return segments(carry[:SEGMENT_INPUTS], context)
+
+    return SegmentedRunner(
+        prefill_stages(forward.model, forward.kv, whole=True),
+        max_bytes=config.max_bytes,
+        verify=config.verify,
+        admission=config.prefill_admission,
+        capture=CaptureConfig(
+            background=config.background_capture,
+            examples=partial(dummy_whole_prefill, forward),
+            retain=(forward.kv, forward.model),
+            device=_device(forward, backend),
+        ),
+        backend=backend,
+        metrics=metrics,
+        name="prefill_whole",
+        fallback=by_segments,
+    )
+
+
+# ids, positions, image mask, image rows, slots: what the segments' carry holds; the whole
+# form's carry adds the block tables, the sequence lengths and the query starts
+SEGMENT_INPUTS = 5
+
+
 def dummy_prefill(forward: EagerForward, key: GraphKey) -> tuple[Carry, PrefillContext]:
     """The pipeline's inputs for a prefill of `key`'s token count that writes only the dummy
-    block: one fresh sequence of token 0 (then empty ones, in a key of whole graphs, up to
-    its sequences, over tables of its width)."""
+    block: one fresh sequence of token 0."""
     device = forward.model.embed_tokens.weight.device
-    num_tokens, shape = key.args[0].shape[0], {}
-    if forward.model.kernels.whole_prefill_graphs:  # ..., tables, lengths, query starts
-        num_seqs, width = key.args[-3].shape
-        shape = {"num_seqs": num_seqs, "width": width}
-    ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device, **shape)
+    ids, positions, meta = dummy_prefill_inputs(key.args[0].shape[0], forward.kv, device)
     carry = prefill_inputs(forward.model, ids, positions, None, meta)
+    return carry, PrefillContext(meta, forward.kv)
+
+
+def dummy_whole_prefill(forward: EagerForward, key: GraphKey) -> tuple[Carry, PrefillContext]:
+    """The whole form's inputs for `key` that write only the dummy block: one fresh sequence
+    of the key's tokens, then empty ones up to its sequences, over tables of its width."""
+    device = forward.model.embed_tokens.weight.device
+    num_seqs, width = key.args[-3].shape  # ..., block tables, sequence lengths, query starts
+    ids, positions, meta = dummy_prefill_inputs(
+        key.args[0].shape[0], forward.kv, device, num_seqs=num_seqs, width=width
+    )
+    carry = prefill_inputs(forward.model, ids, positions, None, meta, whole=True)
     return carry, PrefillContext(meta, forward.kv)
 
 

@@ -19,10 +19,7 @@ from graphguard.engine.shapes import (
     MIN_PREFILL_TOKENS,
     MIN_WIDTH_BLOCKS,
     POWER_OF_TWO_PREFILL_TOKENS,
-    prefill_seq_bucket,
     row_widths,
-    wave_seq_buckets,
-    width_bucket,
 )
 from graphguard.segmented import SegmentedRunner
 from graphguard.segmented.group import carry_key
@@ -46,15 +43,11 @@ def warm_prefill(
     widths: Sequence[int] = (MIN_WIDTH_BLOCKS,),
     progress: bool = True,
     groups: Sequence[int] = (),
-    wave_rows: int = 1,
 ) -> WarmupReport:
     """Capture the graphs of prefills of `token_counts` tokens: for a count that can run as
     rows, one key per table width of `widths` at which it can (shapes.py `row_widths`); for
     others, up to POWER_OF_TWO_PREFILL_TOKENS, its group of segments; and the group of each
-    count of `groups` (packed at the widths where it cannot run as rows). Where a packed
-    prefill is one whole graph, keyed by its sequences and width too, a count's key is a
-    fresh prompt's (2 sequences, its own width) and a group's are those of waves of up to
-    `wave_rows` continued chunks at the widest width (`wave_seq_buckets`). One report."""
+    count of `groups` (packed at the widths where it cannot run as rows). One report."""
     device = forward.model.embed_tokens.weight.device
     examples: list[tuple[Tensor, ...]] = []
     packed = list(groups)
@@ -65,12 +58,9 @@ def warm_prefill(
             packed.append(num_tokens)
     keys = []
     for num_tokens in dict.fromkeys(packed):  # each count once
-        for shape in _whole_graph_shapes(
-            forward, num_tokens, num_tokens in groups, widths, wave_rows
-        ):
-            ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device, **shape)
-            carry = prefill_inputs(forward.model, ids, positions, None, meta)
-            keys.append(carry_key(carry))
+        ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device)
+        carry = prefill_inputs(forward.model, ids, positions, None, meta)
+        keys.append(carry_key(carry))
     report = WarmupReport()
     if rows is not None and examples:
         report = rows.warmup(examples, progress=progress)
@@ -80,22 +70,6 @@ def warm_prefill(
         report.skipped.update(segments.skipped)
         report.seconds += segments.seconds
     return report
-
-
-def _whole_graph_shapes(
-    forward: EagerForward, num_tokens: int, wave: bool, widths: Sequence[int], wave_rows: int
-) -> list[dict[str, int]]:
-    """The sequences and widths of the keys a start captures for `num_tokens` packed tokens
-    where a packed prefill is one whole graph (the kernel set's `whole_prefill_graphs`): a
-    prompt and its padding sequence at a fresh prompt's width; or, for a continued group
-    (`wave`), waves of up to `wave_rows` short chunks at the widest of `widths`. Else one key
-    of the tokens alone (the segments')."""
-    if not forward.model.kernels.whole_prefill_graphs:
-        return [{}]
-    if wave:
-        return [{"num_seqs": s, "width": max(widths)} for s in wave_seq_buckets(wave_rows)]
-    fresh = width_bucket(-(-num_tokens // forward.kv.block_size))
-    return [{"num_seqs": prefill_seq_bucket(1), "width": fresh}]
 
 
 def prefill_knows_a_price(

@@ -14,11 +14,12 @@ DecoderModel.forward in the same order, so the pipeline run eagerly gives the sa
 states; graphguard.segmented captures its capturable stages (engine/graphs/runners.py), and the
 same pipeline run eagerly is how image requests prefill when graphs are off.
 
-A kernel set whose packed attention reads only device tensors (`whole_prefill_graphs`: the
-fused set's one launch) makes every stage capturable: the block tables, sequence lengths and
-query starts travel in the carry, the pipeline is one segment, and a packed prefill replays as
-one graph keyed by its tokens, its sequences and its table width, each padded to a bucket
-(engine/step/model_runner.py), instead of a graph replay and an eager launch per layer.
+Where the kernel set's packed attention reads only device tensors (`whole_prefill_graphs`: the
+fused set's one launch), the same pipeline has a whole form (`whole=True`): the block tables,
+sequence lengths and query starts travel in the carry, every stage is capturable, and the
+pipeline is one segment, a packed prefill one graph keyed by its tokens, its sequences and its
+table width, each padded to a bucket (engine/step/model_runner.py), instead of a graph replay
+and an eager launch per layer (engine/graphs/runners.py `whole_prefill_runner`).
 """
 
 from __future__ import annotations
@@ -190,16 +191,18 @@ class PrefillContext:
     kv: PagedKVStorage
 
 
-def prefill_stages(model: DecoderModel, kv: PagedKVStorage) -> list[Stage]:
+def prefill_stages(model: DecoderModel, kv: PagedKVStorage, whole: bool = False) -> list[Stage]:
     """The decoder as stages over the KV cache `kv`: embed, then per layer pre-attention |
     attention | post-attention, then the final norm. Between layers the carry is (h, residual,
     cos, sin, slots, *tables): the residual stream travels unadded, as in DecoderModel.forward
-    (the first layer has none yet), the tokens' cache slots go to each layer's K/V write, and
-    where the kernel set's attention is capturable (`whole_prefill_graphs`) the attention
-    metadata's tensors travel too (block tables, sequence lengths, query starts), read by
-    attention stages that are capturable themselves; elsewhere attention is eager and reads
-    the metadata from the call's PrefillContext."""
-    whole = model.kernels.whole_prefill_graphs
+    (the first layer has none yet), and the tokens' cache slots go to each layer's K/V write.
+    Attention is eager and reads the metadata from the call's PrefillContext; in the `whole`
+    form (a kernel set with `whole_prefill_graphs`) the metadata's tensors travel in the carry
+    too (block tables, sequence lengths, query starts: `prefill_inputs(..., whole=True)`),
+    read by attention stages that are capturable themselves."""
+    if whole and not model.kernels.whole_prefill_graphs:
+        name = model.kernels.name
+        raise ValueError(f"the {name} kernels' prefill attention needs host-side lengths")
     stages = [Stage("embed", _embed(model))]
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
@@ -312,11 +315,16 @@ def image_splice(
 
 
 def prefill_inputs(
-    model: DecoderModel, ids: Tensor, positions: Tensor, splice: Any, meta: AttentionMetadata
+    model: DecoderModel,
+    ids: Tensor,
+    positions: Tensor,
+    splice: Any,
+    meta: AttentionMetadata,
+    whole: bool = False,
 ) -> Carry:
     """The pipeline's input carry: ids, positions, image row mask, image rows [T, hidden], the
-    tokens' cache slots and, where the kernel set's attention is capturable
-    (`whole_prefill_graphs`), the block tables, sequence lengths and query starts."""
+    tokens' cache slots and, for the `whole` form, the block tables, sequence lengths and
+    query starts."""
     num_tokens, weight = ids.shape[0], model.embed_tokens.weight
     mask = torch.zeros(num_tokens, dtype=torch.bool, device=ids.device)
     image_h = torch.zeros(num_tokens, weight.shape[1], dtype=weight.dtype, device=ids.device)
@@ -324,7 +332,7 @@ def prefill_inputs(
         mask[splice.rows] = True
         image_h.index_copy_(0, splice.rows, splice.embeds.to(weight.dtype))
     carry: Carry = (ids, positions, mask, image_h, meta.slot_mapping)
-    if model.kernels.whole_prefill_graphs:
+    if whole:
         carry += (meta.block_tables, meta.seq_lens, meta.query_start_loc)
     return carry
 

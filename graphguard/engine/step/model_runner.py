@@ -207,13 +207,18 @@ class ModelRunner:
     def _run_packed(
         self, ids: Tensor, positions: Tensor, meta: AttentionMetadata, splice: ImageSplice | None
     ) -> Tensor:
-        """Hidden states of a packed prefill: through the segment graphs (one whole graph
-        where the kernel set's attention is capturable), or eagerly."""
-        prefill = self.graphs.prefill if self.graphs is not None else None
-        if prefill is None:
+        """Hidden states of a packed prefill: through its whole graph where the kernel set's
+        attention allows one (without it, the whole runner answers by the segments), through
+        the segment graphs, or eagerly."""
+        graphs = self.graphs
+        if graphs is None or graphs.prefill is None:
             return self.forward.prefill(ids, positions, meta, splice)
+        context = PrefillContext(meta, self.kv)
+        if graphs.prefill_whole is not None:
+            carry = prefill_inputs(self.model, ids, positions, splice, meta, whole=True)
+            return graphs.prefill_whole(carry, context)[0]
         carry = prefill_inputs(self.model, ids, positions, splice, meta)
-        return prefill(carry, PrefillContext(meta, self.kv))[0]
+        return graphs.prefill(carry, context)[0]
 
     def _logits(
         self, seqs: list[Sequence], chunks: list[int], hidden: Tensor, ends: list[int]

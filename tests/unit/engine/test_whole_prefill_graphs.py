@@ -1,11 +1,12 @@
 """Whole prefill graphs on the engine (SimBackend on CPU).
 
 Where a kernel set's packed attention reads only the metadata's device tensors
-(`whole_prefill_graphs`: the fused set's one launch on a GPU), the prefill pipeline is one
-segment and a packed prefill replays as one graph, keyed by its token bucket, its sequences
-(padded with empty ones) and its table width. A test set stands in for the fused one here: the
-reference's ops, with an attention that reads the block tables, lengths and query starts as
-tensors only (no host-side lengths, no host sync, so the simulated capture accepts it).
+(`whole_prefill_graphs`: the fused set's one launch on a GPU), the engine has a runner of the
+prefill pipeline's whole form (`prefill_whole`): one segment, one graph per token bucket,
+sequence bucket (padded with empty sequences) and table width that traffic earns; until a key
+has its graph, the prefill segments answer it. A test set stands in for the fused one here:
+the reference's ops, with an attention that reads the block tables, lengths and query starts
+as tensors only (no host-side lengths, no host sync, so the simulated capture accepts it).
 """
 
 from __future__ import annotations
@@ -13,18 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.core.metrics import GraphMetrics
-from graphguard.engine.config import GraphConfig
-from graphguard.engine.graphs.runners import segmented_runner
-from graphguard.engine.graphs.warmup import warm_prefill
-from graphguard.engine.models import build_model
-from graphguard.engine.models.forward import EagerForward, dummy_prefill_inputs, prefill_inputs
+from graphguard.engine.models.forward import dummy_prefill_inputs, prefill_inputs
 from graphguard.engine.scheduling.kv import PagedKVStorage
 from graphguard.engine.shapes import MIN_WIDTH_BLOCKS, prefill_seq_bucket
 from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels import KernelSelection, TorchKernels
 from tests.kv_checks import changed_slots
-from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     make_engine,
     one_torch_thread,
@@ -104,12 +99,13 @@ def test_a_packed_prefill_is_one_graph_and_gives_the_eager_tokens(embedded_model
     graphs = make_engine(embedded_model, graph_backend="sim")
     eager = make_engine(embedded_model, enforce_eager=True)
     try:
-        assert graphs.graphs.prefill.num_segments == 1
+        whole = graphs.graphs.prefill_whole
+        assert whole.num_segments == 1 and graphs.graphs.prefill.num_segments > 1
         for wave in WAVES + WAVES:
             assert run_wave(graphs, wave) == run_wave(eager, wave)
             settle(graphs)
-        prefill = graphs.graphs.stats()["prefill"]
-        assert prefill["replays"] >= 2 and prefill["parity_mismatches"] == 0, prefill
+        stats = graphs.graphs.stats()["prefill"]["whole"]
+        assert stats["replays"] >= 2 and stats["parity_mismatches"] == 0, stats
     finally:
         graphs.shutdown()
         eager.shutdown()
@@ -124,7 +120,7 @@ def test_steps_of_different_sequence_counts_share_a_key_in_their_buckets(embedde
         for wave in WAVES + WAVES:
             run_wave(engine, wave)
             settle(engine)
-        details = engine.graphs.stats()["prefill"]["groups_detail"]
+        details = engine.graphs.stats()["prefill"]["whole"]["groups_detail"]
         assert len(details) == 1, details
         key = details[0]["key"]  # ids ... slots, then tables, lengths and query starts
         assert key.endswith(f"int32[8x{MIN_WIDTH_BLOCKS}]@cpu, int32[8]@cpu, int32[9]@cpu)"), key
@@ -159,7 +155,7 @@ def test_a_dummy_prefill_fills_the_key_it_is_made_for(embedded_model):
     try:
         model, kv = engine.model, engine.kv
         ids, positions, meta = dummy_prefill_inputs(32, kv, torch.device("cpu"), 4, 16)
-        carry = prefill_inputs(model, ids, positions, None, meta)
+        carry = prefill_inputs(model, ids, positions, None, meta, whole=True)
         assert [tuple(t.shape) for t in carry[-3:]] == [(4, 16), (4,), (5,)]
         assert meta.query_start_loc.tolist() == [0, 32, 32, 32, 32]
         assert meta.seq_lens.tolist() == [32, 0, 0, 0]
@@ -168,28 +164,20 @@ def test_a_dummy_prefill_fills_the_key_it_is_made_for(embedded_model):
         engine.shutdown()
 
 
-def test_a_start_captures_a_fresh_prompts_key_and_those_of_waves_of_continued_chunks():
-    """Warm and lazy starts (graphs/warmup.py): a token bucket at the width of a fresh prompt
-    of that many tokens, with its padding sequence; the continued group (short chunks after
-    long cached contexts) at the widest width, for each sequence bucket a wave of up to 16
-    rows lands on (8 and 32). Each capture runs on the dummy inputs of its key."""
-    config = tiny_config(max_position_embeddings=1024)  # the dummy's positions reach 511
-    model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
-    model.use_kernels(WholeGraphKernels())
-    kv = PagedKVStorage(
-        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        num_blocks=40, block_size=4, dtype=torch.float32, device="cpu",
-    )  # fmt: skip
-    forward = EagerForward(model, kv)
-    runner = segmented_runner(forward, GraphConfig(backend="sim"), "sim", GraphMetrics())
+def test_until_a_key_has_its_whole_graph_the_segments_answer_it(embedded_model):
+    """The first wave of a shape falls back, and its answer comes from the prefill segments
+    (their runner is called), timed for the payback rule against them; a later wave replays
+    the whole graph and the segments are not called."""
+    engine = make_engine(embedded_model, graph_backend="sim")
     try:
-        report = warm_prefill(
-            forward, None, runner, [16, 64], (8, 64), False, groups=(512,), wave_rows=16
-        )
-        keys = {
-            (group.key.args[0].shape[0], *group.key.args[-3].shape) for group in runner.groups()
-        }
-        assert keys == {(16, 2, 8), (64, 2, 16), (512, 8, 64), (512, 32, 64)}, keys
-        assert len(report.captured) == 4
+        graphs = engine.graphs
+        run_wave(engine, WAVES[0])
+        first = graphs.stats()["prefill"]
+        assert first["whole"]["replays"] == 0 and first["calls"] == 1, first
+        for _ in range(3):
+            settle(engine)
+            run_wave(engine, WAVES[0])
+        later = graphs.stats()["prefill"]
+        assert later["whole"]["replays"] >= 1 and later["calls"] < later["whole"]["calls"]
     finally:
-        runner.close()
+        engine.shutdown()

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from graphguard.core.keys import Buckets  # noqa: E402
 from graphguard.engine.config import GraphConfig  # noqa: E402
 from graphguard.engine.shapes import DECODE_PAD, width_bucket  # noqa: E402
-from graphguard.kernels import triton_decode  # noqa: E402
+from graphguard.kernels import HeadShape, triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
 from graphguard.kernels.triton_decode import MERGE_CHUNK  # noqa: E402
 from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
@@ -155,6 +155,18 @@ def test_a_merge_of_several_programs_a_head_gives_the_bits_of_one():
     one = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
     four = dataclasses.replace(rule, merge_programs=4)
     assert torch.equal(one, triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, four))
+
+
+def test_a_head_narrower_than_a_merge_programs_share_merges_in_one_program():
+    """head_dim 8 (the tiny test models'): any rule's merge takes the head whole."""
+    heads = HeadShape(4, 2, 8)
+    q, cache, tables, seq_lens = paged_batch(heads, [300, 40], 20, torch.float32, "cpu")
+    for merge in (1, 4):
+        rule = SplitRule(min_split_tokens=64, merge_programs=merge)
+        assert rule.plan(20 * BLOCK_SIZE, heads.num_kv_heads).num_splits > 1
+        actual = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
+        expected = reference(q, cache, tables, seq_lens, 0.1)
+        assert rel_error(actual, expected) < TOLERANCE[torch.float32]
 
 
 def pad_to(rows: int, q, tables, seq_lens):

@@ -195,7 +195,7 @@ class CountingTritonKernels(TritonKernels):
 
 
 def model_step(
-    model: DecoderModel, kv: PagedKVStorage, step: list[tuple[int, int, int]], staged: bool
+    model: DecoderModel, kv: PagedKVStorage, step: list[tuple[int, int, int]], staged: bool | str
 ) -> torch.Tensor:
     """Hidden states of one packed prefill step of (table row, cached, new tokens) sequences,
     with no prefill groups planned (as the model runner leaves them for the Triton set); the
@@ -219,8 +219,9 @@ def model_step(
     pos = torch.tensor(positions)
     if not staged:
         return model(ids, pos, meta, kv)
-    carry = prefill_inputs(model, ids, pos, None, meta)
-    pieces = split_segments(prefill_stages(model, kv))
+    whole = staged == "whole"  # the pipeline's whole form, else its segments'
+    carry = prefill_inputs(model, ids, pos, None, meta, whole=whole)
+    pieces = split_segments(prefill_stages(model, kv, whole=whole))
     return run_eager(pieces, carry, PrefillContext(meta, kv))[0]
 
 
@@ -252,25 +253,27 @@ def test_the_model_prefills_through_the_kernel_sets_attention(staged):
     assert fused.num_prefill_calls == 2 * config.num_layers
 
 
-def test_with_the_fused_set_the_prefill_pipeline_is_one_capturable_segment():
-    """The fused set's attention reads only the carry's tensors, so no stage of the pipeline
-    is eager: a packed prefill is one graph (engine/models/forward.py), where the reference
-    set's pipeline has an eager attention stage between two segments per layer."""
+def test_the_fused_sets_whole_pipeline_is_one_segment_and_gives_the_layers_states():
+    """The fused set's attention reads only the carry's tensors, so the pipeline's whole form
+    has no eager stage: one segment, one graph per packed prefill (engine/models/forward.py),
+    where the segments' form has an eager attention stage between two segments a layer. The
+    reference set, whose attention needs host-side lengths, has no whole form."""
     config = tiny_config(head_dim=16)
-    fused = split_segments(prefill_stages(*model_and_cache(config, TritonKernels())))
-    assert len(fused) == 1 and not getattr(fused[0], "eager", False)
-    reference = split_segments(prefill_stages(*model_and_cache(config, TorchKernels())))
-    assert len(reference) == 2 * config.num_layers + 1
+    model, kv = model_and_cache(config, TritonKernels())
+    whole = split_segments(prefill_stages(model, kv, whole=True))
+    assert len(whole) == 1 and len(split_segments(prefill_stages(model, kv))) == 2 * 2 + 1
+    step = [(0, 0, 25)]
+    assert torch.equal(model_step(model, kv, step, "whole"), model_step(model, kv, step, False))
+    with pytest.raises(ValueError, match="host-side lengths"):
+        prefill_stages(*model_and_cache(config, TorchKernels()), whole=True)
 
 
 def test_the_environment_can_keep_the_fused_sets_prefill_in_segments(monkeypatch):
-    """GRAPHGUARD_WHOLE_PREFILL=0 (side-by-side runs): eager attention between segments, as
-    the reference set's, and the startup line names it."""
+    """GRAPHGUARD_WHOLE_PREFILL=0 (side-by-side runs): no whole form, and the startup line
+    names the switch."""
     monkeypatch.setenv(fused_module.WHOLE_PREFILL_ENV, "0")
-    config = tiny_config(head_dim=16)
     kernels = TritonKernels()
-    pieces = split_segments(prefill_stages(*model_and_cache(config, kernels)))
-    assert len(pieces) == 2 * config.num_layers + 1
+    assert not kernels.whole_prefill_graphs
     assert kernels.opt_ins() == ("GRAPHGUARD_WHOLE_PREFILL=0",)
 
 
