@@ -77,6 +77,12 @@ class WarmupReport:
     skipped: dict[str, str] = field(default_factory=dict)  # key -> reason
     seconds: float = 0.0
 
+    def add(self, other: WarmupReport) -> None:
+        """Count `other`'s captures, skips and time in this report."""
+        self.captured += other.captured
+        self.skipped.update(other.skipped)
+        self.seconds += other.seconds
+
 
 # One capture's work: yields between units, returns its Verdict.
 CaptureUnits = Generator[None, None, Verdict]

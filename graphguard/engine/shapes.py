@@ -84,6 +84,17 @@ def prefill_seq_bucket(num_seqs: int) -> int:
     return bucket
 
 
+def wave_seq_buckets(max_rows: int) -> list[int]:
+    """The sequence buckets of a wave of continued chunks (short questions after cached
+    contexts) of up to `max_rows` sequences and its padding sequence: from 8 up to the bucket
+    of `max_rows` + 1 (8 and 32 for 16 rows). A start captures the whole prefill graphs of
+    the continued group at each (graphs/component.py)."""
+    top, buckets = prefill_seq_bucket(max_rows + 1), [8]
+    while buckets[-1] < top:
+        buckets.append(4 * buckets[-1])
+    return buckets
+
+
 def prefills_as_rows(kernels: TorchKernels, num_tokens: int, longest_context: int) -> bool:
     """Whether a prefill of `num_tokens` tokens (padding included), none of whose sequences
     attends over more than `longest_context` tokens, runs as rows: each token one row of decode

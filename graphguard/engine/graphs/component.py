@@ -43,7 +43,12 @@ from graphguard.engine.graphs.runners import (
     segmented_runner,
     whole_prefill_runner,
 )
-from graphguard.engine.graphs.warmup import prefill_knows_a_price, warm_decode, warm_prefill
+from graphguard.engine.graphs.warmup import (
+    prefill_knows_a_price,
+    warm_decode,
+    warm_prefill,
+    warm_whole_prefill,
+)
 from graphguard.engine.models.forward import EagerForward
 from graphguard.engine.parallel.ranks import RankRole
 from graphguard.engine.shapes import (
@@ -51,6 +56,7 @@ from graphguard.engine.shapes import (
     MIN_WIDTH_BLOCKS,
     ROW_PREFILL_TOKENS,
     continued_prefill_group,
+    wave_seq_buckets,
 )
 from graphguard.segmented import SegmentedRunner
 
@@ -123,6 +129,7 @@ class EngineGraphs:
         if self.prefill is not None and prefill_tokens:
             groups = self.continued_prefill_groups(prefill_tokens, widths)
             report = self.warm_prefill(prefill_tokens, widths, groups=groups)
+            report.add(self.warm_waves(groups, widths, max(batch_sizes)))
             log.info(
                 "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured), len(prefill_tokens), report.seconds,
@@ -146,6 +153,26 @@ class EngineGraphs:
         assert self.prefill is not None, "prefill graphs are off"
         rows, prefill = self.prefill_rows, self.prefill
         return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress, groups)
+
+    def warm_waves(
+        self, groups: Sequence[int], widths: Sequence[int], max_rows: int, progress: bool = True
+    ) -> WarmupReport:
+        """Where packed prefills have whole graphs, capture those of the continued groups
+        (`groups`) at the widest of `widths`, for every sequence bucket a wave of up to
+        `max_rows` continued chunks lands on (shapes.py `wave_seq_buckets`): the first waves of
+        questions after documents as long as the server takes replay one graph each, not the
+        segments, and the whole runner knows a capture's price. Elsewhere nothing."""
+        if self.prefill_whole is None or not groups:
+            return WarmupReport()
+        report = WarmupReport()
+        for tokens in groups:
+            report.add(
+                warm_whole_prefill(
+                    self.forward, self.prefill_whole, tokens, max(widths),
+                    wave_seq_buckets(max_rows), progress,
+                )
+            )  # fmt: skip
+        return report
 
     def continued_prefill_groups(
         self, prefill_tokens: Sequence[int], widths: Sequence[int]
@@ -187,6 +214,7 @@ class EngineGraphs:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
                 groups = self.continued_prefill_groups(prefill_tokens, widths)
             reports.append(self.warm_prefill(tokens, widths, progress=False, groups=groups))
+            reports.append(self.warm_waves(groups, widths, max(batch_sizes), progress=False))
         log.info(
             "graphguard lazy start: %d graphs captured in %.2f s",
             sum(len(report.captured) for report in reports),

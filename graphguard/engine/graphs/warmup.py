@@ -65,11 +65,27 @@ def warm_prefill(
     if rows is not None and examples:
         report = rows.warmup(examples, progress=progress)
     if keys:
-        segments = segmented.warm_keys(keys, progress=progress)
-        report.captured += segments.captured
-        report.skipped.update(segments.skipped)
-        report.seconds += segments.seconds
+        report.add(segmented.warm_keys(keys, progress=progress))
     return report
+
+
+def warm_whole_prefill(
+    forward: EagerForward,
+    whole: SegmentedRunner,
+    num_tokens: int,
+    width: int,
+    seq_buckets: Sequence[int],
+    progress: bool = True,
+) -> WarmupReport:
+    """Capture whole prefill graphs of `num_tokens` tokens over tables `width` blocks wide,
+    one per sequence bucket of `seq_buckets`, on dummy inputs (one sequence of the tokens over
+    the dummy block, empty ones after it): the keys a wave of continued chunks lands on."""
+    device = forward.model.embed_tokens.weight.device
+    keys = []
+    for num_seqs in seq_buckets:
+        ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device, num_seqs, width)
+        keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None, meta, True)))
+    return whole.warm_keys(keys, progress=progress)
 
 
 def prefill_knows_a_price(

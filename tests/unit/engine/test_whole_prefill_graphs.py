@@ -14,12 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphguard.engine.models.forward import dummy_prefill_inputs, prefill_inputs
+from graphguard.core.metrics import GraphMetrics
+from graphguard.engine.config import GraphConfig
+from graphguard.engine.graphs.runners import segmented_runner, whole_prefill_runner
+from graphguard.engine.graphs.warmup import warm_whole_prefill
+from graphguard.engine.models import build_model
+from graphguard.engine.models.forward import EagerForward, dummy_prefill_inputs, prefill_inputs
 from graphguard.engine.scheduling.kv import PagedKVStorage
-from graphguard.engine.shapes import MIN_WIDTH_BLOCKS, prefill_seq_bucket
+from graphguard.engine.shapes import MIN_WIDTH_BLOCKS, prefill_seq_bucket, wave_seq_buckets
 from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels import KernelSelection, TorchKernels
 from tests.kv_checks import changed_slots
+from tests.tiny import tiny_config
 from tests.unit.engine.fixtures_engine import (  # noqa: F401
     make_engine,
     one_torch_thread,
@@ -181,3 +187,29 @@ def test_until_a_key_has_its_whole_graph_the_segments_answer_it(embedded_model):
         assert later["whole"]["replays"] >= 1 and later["calls"] < later["whole"]["calls"]
     finally:
         engine.shutdown()
+
+
+def test_a_start_captures_the_whole_graphs_a_wave_of_continued_chunks_lands_on():
+    """A start's whole graphs (EngineGraphs.warm_waves): the continued group's tokens at the
+    widest width, for each sequence bucket of a wave of up to 16 rows (8 and 32), each on
+    the dummy inputs of its key."""
+    assert wave_seq_buckets(1) == [8] and wave_seq_buckets(16) == [8, 32]
+    assert wave_seq_buckets(64) == [8, 32, 128]
+    config = tiny_config(max_position_embeddings=1024)  # the dummy's positions reach 511
+    model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
+    model.use_kernels(WholeGraphKernels())
+    kv = PagedKVStorage(
+        num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        num_blocks=40, block_size=4, dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    forward, sim = EagerForward(model, kv), GraphConfig(backend="sim")
+    segments = segmented_runner(forward, sim, "sim", GraphMetrics())
+    whole = whole_prefill_runner(forward, sim, "sim", GraphMetrics(), segments)
+    try:
+        report = warm_whole_prefill(forward, whole, 512, 64, wave_seq_buckets(16), False)
+        keys = {(g.key.args[0].shape[0], *g.key.args[-3].shape) for g in whole.groups()}
+        assert keys == {(512, 8, 64), (512, 32, 64)} and len(report.captured) == 2, keys
+        assert whole.policy.knows_a_price
+    finally:
+        whole.close()
+        segments.close()
