@@ -22,6 +22,7 @@ slot that a live sequence reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -98,21 +99,7 @@ def segmented_runner(
     forward: EagerForward, config: GraphConfig, backend: str | Backend, metrics: GraphMetrics
 ) -> SegmentedRunner:
     """Packed prefills through segment graphs, eager attention between them."""
-    return SegmentedRunner(
-        prefill_stages(forward.model, forward.kv),
-        max_bytes=config.max_bytes,
-        verify=config.verify,
-        admission=config.prefill_admission,
-        capture=CaptureConfig(
-            background=config.background_capture,
-            examples=partial(dummy_prefill, forward),
-            retain=(forward.kv, forward.model),
-            device=_device(forward, backend),
-        ),
-        backend=backend,
-        metrics=metrics,
-        name="prefill",
-    )
+    return _pipeline_runner(forward, config, backend, metrics, whole=False)
 
 
 def whole_prefill_runner(
@@ -134,21 +121,34 @@ def whole_prefill_runner(
         carry, context = call
         return segments(carry[:SEGMENT_INPUTS], context)
 
+    return _pipeline_runner(forward, config, backend, metrics, whole=True, fallback=by_segments)
+
+
+def _pipeline_runner(
+    forward: EagerForward,
+    config: GraphConfig,
+    backend: str | Backend,
+    metrics: GraphMetrics,
+    whole: bool,
+    fallback: Callable[[tuple[Carry, PrefillContext]], Carry] | None = None,
+) -> SegmentedRunner:
+    """A SegmentedRunner of the prefill pipeline, its segments' form or its whole form."""
+    examples = dummy_whole_prefill if whole else dummy_prefill
     return SegmentedRunner(
-        prefill_stages(forward.model, forward.kv, whole=True),
+        prefill_stages(forward.model, forward.kv, whole=whole),
         max_bytes=config.max_bytes,
         verify=config.verify,
         admission=config.prefill_admission,
         capture=CaptureConfig(
             background=config.background_capture,
-            examples=partial(dummy_whole_prefill, forward),
+            examples=partial(examples, forward),
             retain=(forward.kv, forward.model),
             device=_device(forward, backend),
         ),
         backend=backend,
         metrics=metrics,
-        name="prefill_whole",
-        fallback=by_segments,
+        name="prefill_whole" if whole else "prefill",
+        fallback=fallback,
     )
 
 
