@@ -49,21 +49,16 @@ class DecodeInputs:
         )  # fmt: skip
         return ids_gpu, positions_gpu, tables_gpu, lens_gpu, slots_gpu
 
-    def pack_arrays(self, arrays: list[tuple[list, type]]) -> list[Tensor]:
+    def pack_arrays(self, arrays: list[tuple[list | np.ndarray, type]]) -> list[Tensor]:
         """Each (values, numpy integer type) as a device tensor, in one copy: a list of ints
-        gives a vector, a list of equal-length lists a matrix.
+        gives a vector, a list of equal-length lists a matrix, an array its own shape.
 
         NOTE: each view starts on a 16-byte boundary, whatever the batch. Triton compiles a
         kernel again for a pointer that is not 16-byte aligned: packed end to end, an odd
         batch's views were not, and an eager step of 7 rows compiled the decode attention
         anew, hundreds of ms inside a serving load (docs/benchmarks.md, "Design notes"), after
         a warm-up whose inputs were aligned."""
-        shapes = [
-            (len(values), len(values[0]))
-            if values and isinstance(values[0], list)
-            else (len(values),)
-            for values, _ in arrays
-        ]
+        shapes = [_shape(values) for values, _ in arrays]
         sizes = [
             np.dtype(kind).itemsize * int(np.prod(shape))
             for (_, kind), shape in zip(arrays, shapes, strict=True)
@@ -99,3 +94,11 @@ class DecodeInputs:
         if self._copied is not None:
             self._copied.record()
         return gpu
+
+
+def _shape(values: list | np.ndarray) -> tuple[int, ...]:
+    if isinstance(values, np.ndarray):
+        return values.shape
+    if values and isinstance(values[0], list):
+        return (len(values), len(values[0]))
+    return (len(values),)

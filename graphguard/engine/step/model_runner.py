@@ -132,7 +132,6 @@ class ModelRunner:
         # a whole graph is keyed by the tables' shape too: sequences and width padded
         whole = self.pad_prefills and self.model.kernels.whole_prefill_graphs
         width = width_bucket(width) if whole else width
-        tables = [_padded_table(seq.block_table, width) for seq in seqs]
         pad = prefill_token_bucket(num_tokens) - num_tokens if self.pad_prefills else 0
         dummy = PagedKVStorage.DUMMY_BLOCK
         if pad > 0:
@@ -143,14 +142,16 @@ class ModelRunner:
             slots += [dummy * self.block_size + i % self.block_size for i in range(pad)]
             seq_lens.append(pad)
             query_lens.append(pad)
-            tables.append(_padded_table([dummy], width))
         if whole:
             # empty sequences (no query, no context) up to the bucket: their attention
             # programs exit at once (graphguard/kernels/triton_prefill.py)
             empty = prefill_seq_bucket(len(seq_lens)) - len(seq_lens)
             seq_lens += [0] * empty
             query_lens += [0] * empty
-            tables += [_padded_table([dummy], width)] * empty
+        # the padding sequence's and the empty ones' tables are the dummy block's
+        tables = np.full((len(seq_lens), width), dummy, dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
         query_start_loc = _cumsum0(query_lens)
         ids_gpu, positions_gpu, slots_gpu, tables_gpu, lens_gpu, starts_gpu = (
             self.packed_inputs.pack_arrays(

@@ -42,3 +42,15 @@ def test_a_packed_prefills_arrays_come_back_with_their_shapes_types_and_alignmen
     assert [t.tolist() for t in got] == [ids, slots, tables, lens, starts]
     assert [t.dtype for t in got] == [torch.int64] * 2 + [torch.int32] * 3
     assert got[2].shape == (2, 3) and all(t.data_ptr() % 16 == 0 for t in got)
+
+
+def test_an_array_packs_with_its_own_shape_next_to_lists() -> None:
+    """A packed prefill's block tables come as a numpy array (its padding rows filled at
+    once): its shape and values come back, aligned, beside the lists."""
+    inputs = DecodeInputs(torch.device("cpu"))
+    tables = np.full((4, 3), 7, dtype=np.int32)
+    tables[0, :2] = [1, 2]
+    got = inputs.pack_arrays([([5, 6, 7], np.int64), (tables, np.int32), ([1], np.int32)])
+    assert got[1].shape == (4, 3) and got[1].tolist() == tables.tolist()
+    assert got[0].tolist() == [5, 6, 7] and got[2].tolist() == [1]
+    assert all(t.data_ptr() % 16 == 0 for t in got)
