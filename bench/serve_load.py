@@ -288,6 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                 # short prefills, run as rows through whole graphs
                 rows_before, rows = graphs_before["prefill"]["rows"], graphs["prefill"]["rows"]
                 summary.update(graphs_during_load("prefill_rows", rows_before, rows))
+            if graphs["prefill"].get("whole") and graphs_before["prefill"].get("whole"):
+                # packed prefills as whole graphs (the fused kernels); its fallbacks were
+                # answered by the segments, counted under "prefill"
+                whole_before, whole = graphs_before["prefill"]["whole"], graphs["prefill"]["whole"]
+                summary.update(graphs_during_load("prefill_whole", whole_before, whole))
     report = {
         "benchmark": "serve_load",
         "mode": args.mode or _default_mode(args) + ("-in-process" if args.in_process else ""),

@@ -154,6 +154,7 @@ class LLMEngine:
             warmup_keys=warmup_shapes(config, self.max_model_len),
             prefill_tokens=warmup_prefill_tokens(self.step_tokens),
             role=self.link.role if self.link is not None else None,
+            max_num_seqs=config.max_num_seqs,
         )
 
     def _build_runner(self) -> ModelRunner:

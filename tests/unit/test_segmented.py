@@ -430,3 +430,27 @@ def test_a_segments_replay_and_the_eager_stage_after_it_are_one_capture_unit():
         graphed = done.value
     assert_bitwise(graphed, run_eager(pieces, (x_of(4),), Ctx()))
     group.retire()
+
+
+def test_a_fallback_answers_the_calls_without_a_graph_and_is_timed_for_payback(make):
+    """`fallback`: a call that replays no group is answered by it (here a slower way to the
+    same carry), not by the pipeline run eagerly; the admission times it as the eager call it
+    stands for (the payback rule's excess), and the parity check still runs the pipeline."""
+    calls = []
+
+    def fallback(call):
+        calls.append(call)
+        return run_eager(split_segments(STAGES), *call)
+
+    payback = AdmissionConfig(min_hits=3, frequency_aware=False, max_capture_fraction=1.0,
+                              payback=1.0)  # fmt: skip
+    runner = make(admission=payback, fallback=fallback)
+    x = x_of(4)
+    for _ in range(2):  # not yet earned: the fallback answers
+        assert_bitwise(runner((x,), Ctx()), run_eager(runner.pieces, (x,), Ctx()))
+    assert len(calls) == 2 and runner.stats()["replays"] == 0
+    (key,) = runner.policy._excess  # both fallbacks were timed for the key
+    assert runner.policy._excess[key] > 0
+    for _ in range(3):
+        runner((x,), Ctx())
+    assert runner.stats()["replays"] >= 1 and runner.stats()["parity_mismatches"] == 0

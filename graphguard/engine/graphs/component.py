@@ -56,6 +56,7 @@ from graphguard.engine.shapes import (
     MIN_WIDTH_BLOCKS,
     ROW_PREFILL_TOKENS,
     continued_prefill_group,
+    prefill_seq_bucket,
     wave_seq_buckets,
 )
 from graphguard.segmented import SegmentedRunner
@@ -73,10 +74,13 @@ class EngineGraphs:
         device: torch.device,
         model_identity: dict[str, Any],
         role: RankRole | None = None,
+        max_num_seqs: int | None = None,
     ) -> None:
         self.config = config
         self.forward = forward
         self.role = role
+        # the most sequences a step holds (None: the largest decode batch bucket warmed)
+        self.max_num_seqs = max_num_seqs
         # What a manifest must match to prewarm these graphs: model, shapes, dtype, KV layout.
         self.model_identity = model_identity
         self.enabled_reason = GraphCapability.ENABLED.value
@@ -129,7 +133,7 @@ class EngineGraphs:
         if self.prefill is not None and prefill_tokens:
             groups = self.continued_prefill_groups(prefill_tokens, widths)
             report = self.warm_prefill(prefill_tokens, widths, groups=groups)
-            report.add(self.warm_waves(groups, widths, max(batch_sizes)))
+            report.add(self.warm_whole(groups, widths, self._max_rows(batch_sizes)))
             log.info(
                 "graphguard prefill warmup: %d graphs captured for %d token buckets in %.1f s",
                 len(report.captured), len(prefill_tokens), report.seconds,
@@ -154,25 +158,33 @@ class EngineGraphs:
         rows, prefill = self.prefill_rows, self.prefill
         return warm_prefill(self.forward, rows, prefill, token_counts, widths, progress, groups)
 
-    def warm_waves(
+    def warm_whole(
         self, groups: Sequence[int], widths: Sequence[int], max_rows: int, progress: bool = True
     ) -> WarmupReport:
         """Where packed prefills have whole graphs, capture those of the continued groups
         (`groups`) at the widest of `widths`, for every sequence bucket a wave of up to
-        `max_rows` continued chunks lands on (shapes.py `wave_seq_buckets`): the first waves of
-        questions after documents as long as the server takes replay one graph each, not the
-        segments, and the whole runner knows a capture's price. Elsewhere nothing."""
-        if self.prefill_whole is None or not groups:
+        `max_rows` continued chunks lands on (shapes.py `wave_seq_buckets`), so that the first
+        waves of questions after documents as long as the server takes replay one graph each;
+        without a continued group, the smallest key (a short prompt and its padding), so that
+        the whole runner knows a capture's price (the payback rule). Elsewhere nothing."""
+        whole = self.prefill_whole
+        if whole is None:
             return WarmupReport()
+        if not groups:
+            return warm_whole_prefill(
+                self.forward, whole, MIN_PREFILL_TOKENS, MIN_WIDTH_BLOCKS,
+                [prefill_seq_bucket(1)], progress,
+            )  # fmt: skip
         report = WarmupReport()
         for tokens in groups:
+            buckets = wave_seq_buckets(max_rows)
             report.add(
-                warm_whole_prefill(
-                    self.forward, self.prefill_whole, tokens, max(widths),
-                    wave_seq_buckets(max_rows), progress,
-                )
-            )  # fmt: skip
+                warm_whole_prefill(self.forward, whole, tokens, max(widths), buckets, progress)
+            )
         return report
+
+    def _max_rows(self, batch_sizes: Sequence[int]) -> int:
+        return self.max_num_seqs or max(batch_sizes)
 
     def continued_prefill_groups(
         self, prefill_tokens: Sequence[int], widths: Sequence[int]
@@ -214,7 +226,8 @@ class EngineGraphs:
                 tokens = pad_ladder(prefill_tokens, self.config.row_pad_factor)
                 groups = self.continued_prefill_groups(prefill_tokens, widths)
             reports.append(self.warm_prefill(tokens, widths, progress=False, groups=groups))
-            reports.append(self.warm_waves(groups, widths, max(batch_sizes), progress=False))
+            rows = self._max_rows(batch_sizes)
+            reports.append(self.warm_whole(groups, widths, rows, progress=False))
         log.info(
             "graphguard lazy start: %d graphs captured in %.2f s",
             sum(len(report.captured) for report in reports),
@@ -247,8 +260,8 @@ class EngineGraphs:
 
     def advance_capture(self) -> bool:
         """One unit of work of a capture in flight between steps (decode and prefill take
-        turns when both have one; a rows key's before a group's). Returns True while a capture
-        remains in flight."""
+        turns when both have one; a rows key's, then a whole graph's, before a group of
+        segments'). Returns True while a capture remains in flight."""
         runners = self.runners()
         if self._prefill_turn:
             runners = runners[1:] + runners[:1]
@@ -264,8 +277,10 @@ class EngineGraphs:
         return any(runner.capture_in_flight is not None for runner in self.runners())
 
     def runners(self) -> list[GraphRunner | SegmentedRunner]:
-        """Every runner: decode first, then those of prefill."""
-        prefill = [self.prefill_rows, self.prefill, self.prefill_whole]
+        """Every runner: decode first, then those of prefill (the whole graphs' before the
+        segments', which answer their calls meanwhile: the capture that advances first when
+        both are in flight is the one that will be used)."""
+        prefill = [self.prefill_rows, self.prefill_whole, self.prefill]
         return [self.decode, *(runner for runner in prefill if runner is not None)]
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -323,6 +338,7 @@ def build_graphs(
     warmup_keys: tuple[list[int], list[int]],
     prefill_tokens: Sequence[int] = (),
     role: RankRole | None = None,
+    max_num_seqs: int | None = None,
 ) -> EngineGraphs | GraphCapability:
     """The engine's graphs, started, when the capability check passes; else why not."""
     capability = check_capability(config, forward, scheduler_kv, device)
@@ -331,7 +347,7 @@ def build_graphs(
         if config.manifest:
             log.info("graphguard manifest %s unused: graphs off", config.manifest)
         return capability
-    graphs = EngineGraphs(config, forward, device, model_identity, role)
+    graphs = EngineGraphs(config, forward, device, model_identity, role, max_num_seqs)
     log.info(
         "graphguard decode graphs on: backend=%s buckets=%s budget=%d bytes",
         config.backend,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphguard.core.admission import AdmissionConfig
 from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.config import GraphConfig
 from graphguard.engine.graphs.runners import segmented_runner, whole_prefill_runner
@@ -135,7 +136,13 @@ def test_steps_of_different_sequence_counts_share_a_key_in_their_buckets(embedde
 
 
 def test_a_padded_step_writes_only_its_prompts_slots_and_the_dummy_block(embedded_model):
-    engine = make_engine(embedded_model, graph_backend="sim")
+    """The step's whole graph captured on its own call (warm-ups, capture and parity run on
+    the real inputs, the first replay answers): its prompts' slots and the dummy block."""
+    first_call = AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
+    graphs = GraphConfig(prefill_admission=first_call)
+    engine = make_engine(
+        embedded_model, graph_backend="sim", graphs=graphs, background_capture=False
+    )
     try:
         kv, dummy = engine.kv, PagedKVStorage.DUMMY_BLOCK
         for rid, text in WAVES[1].items():
@@ -150,6 +157,7 @@ def test_a_padded_step_writes_only_its_prompts_slots_and_the_dummy_block(embedde
         changed = changed_slots(before, [*kv.k_cache, *kv.v_cache])
         dummy_slots = set(range(dummy * kv.block_size, (dummy + 1) * kv.block_size))
         assert changed - dummy_slots == prompt_slots and changed & dummy_slots
+        assert engine.graphs.stats()["prefill"]["whole"]["replays"] == 1
     finally:
         engine.shutdown()
 
@@ -213,3 +221,17 @@ def test_a_start_captures_the_whole_graphs_a_wave_of_continued_chunks_lands_on()
     finally:
         whole.close()
         segments.close()
+
+
+def test_a_lazy_start_prices_the_whole_runner_with_its_smallest_key(embedded_model):
+    """Without a continued group to capture (this engine's contexts are short), a lazy start
+    captures the smallest whole key, a short prompt and its padding at the narrowest width:
+    the whole runner knows a capture's price, so the payback rule holds for its keys."""
+    engine = make_engine(embedded_model, graph_backend="sim", price_captures=True)
+    try:
+        whole = engine.graphs.prefill_whole
+        assert whole.policy.knows_a_price
+        keys = [(g.key.args[0].shape[0], *g.key.args[-3].shape) for g in whole.groups()]
+        assert keys == [(16, 2, MIN_WIDTH_BLOCKS)], keys
+    finally:
+        engine.shutdown()
