@@ -267,7 +267,10 @@ def _whole_attention(
 
     def attention(residual: Tensor, q: Tensor, k: Tensor, v: Tensor, *tail: Tensor) -> Carry:
         _, _, slots, tables, seq_lens, query_start = tail
-        meta = AttentionMetadata(True, slots, tables, seq_lens, query_start)
+        meta = AttentionMetadata(
+            packed=True, slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+            query_start_loc=query_start,
+        )  # fmt: skip
         kv_cache = (kv.k_cache[index], kv.v_cache[index])  # the new K/V written
         out = model.kernels.prefill_attention(q, k, v, kv_cache, meta, scale)
         return (residual, out, *tail)
