@@ -73,6 +73,19 @@ def prefill_token_bucket(num_tokens: int) -> int:
     return -(-num_tokens // step) * step
 
 
+# The most packed tokens (padded) a whole prefill graph takes (`whole_prefill`): the steps whose
+# cost is their launches. Above it a step's rows dominate, the segments' host work hides behind
+# the device's, and a capture (three forwards of that many tokens) would rarely pay back.
+WHOLE_PREFILL_TOKENS = POWER_OF_TWO_PREFILL_TOKENS
+
+
+def whole_prefill(kernels: TorchKernels, padded_tokens: int) -> bool:
+    """Whether a packed prefill of `padded_tokens` (its token bucket) runs as a whole graph:
+    the kernel set's attention reads only device tensors (`whole_prefill_graphs`) and the step
+    is at most WHOLE_PREFILL_TOKENS."""
+    return kernels.whole_prefill_graphs and padded_tokens <= WHOLE_PREFILL_TOKENS
+
+
 def prefill_seq_bucket(num_seqs: int) -> int:
     """The sequences a packed prefill whose attention is in its graph is padded to, its
     tokens' padding sequence included: 2 (one prompt and its padding), then 8, 32, 128, ...

@@ -353,22 +353,26 @@ def test_a_cached_prefix_with_graphs_on_answers_as_a_whole_prefill_does(loaded):
 
 
 def test_a_packed_prefill_replays_one_whole_graph_and_answers_as_eager_does(loaded):
-    """Above the rows' limit (2,048 tokens) a prefill is packed. With the fused set its
-    attention reads only device tensors, so the pipeline's whole form is one segment: one graph
-    per (token, sequence, width) bucket, replayed when waves of the same shape recur, checked
-    against eager before admission; the first wave, before it is earned, goes to the
-    segments."""
-    capture_all = AdmissionConfig(min_hits=2, max_capture_fraction=1.0)
-    settings = dict(max_model_len=1024, max_num_batched_tokens=4096, max_num_seqs=4)
+    """Waves of questions after cached documents: each wave is a packed prefill of 3 x 150
+    tokens over 2,400-token contexts (too much context for rows, at most 512 tokens: a whole
+    graph's step). With the fused set its attention reads only device tensors, so the
+    pipeline's whole form is one segment: one graph for the waves' (512 tokens, 8 sequences,
+    256 blocks) key, captured by the lazy start and checked against eager before admission;
+    the documents' prefills (more than 512 tokens) go to the segments."""
+    twice = AdmissionConfig(min_hits=2, max_capture_fraction=1.0)
+    settings = dict(max_model_len=4096, max_num_batched_tokens=4096, num_kv_blocks=1201)
     eager = make(loaded, enforce_eager=True, **settings)
-    graphs = make(loaded, graphs=GraphConfig(prefill_admission=capture_all), **settings)
+    graphs = make(loaded, graphs=GraphConfig(prefill_admission=twice), **settings)
+    g = torch.Generator().manual_seed(0)
+    documents = torch.randint(10, 40000, (3, 2400), generator=g).tolist()
     try:
         assert graphs.graphs.prefill_whole.num_segments == 1
         answers: list[list[list[int]]] = [[], []]
-        for wave in range(4):  # 3 x 900 tokens: 3,072 padded, 8 sequences, 64-block tables
+        for wave in range(5):  # the documents, then four waves of questions after them
+            questions = torch.randint(10, 40000, (3, 150), generator=g).tolist()
             for answer, engine in zip(answers, (eager, graphs), strict=True):
                 for index in range(3):
-                    prompt = [(10 + 7 * wave + index + p) % 40000 for p in range(900)]
+                    prompt = documents[index] + (questions[index] if wave else [])
                     engine.add_request(f"w{wave}-{index}", prompt, GREEDY)
                 outputs: dict[str, list[int]] = {}
                 while engine.has_unfinished_requests():
@@ -377,7 +381,11 @@ def test_a_packed_prefill_replays_one_whole_graph_and_answers_as_eager_does(load
                 answer += [outputs[rid] for rid in sorted(outputs)]
         prefill = graphs.graphs.stats()["prefill"]
         whole = prefill["whole"]
-        assert whole["groups"] == 1 and whole["replays"] >= 2, whole
+        # the lazy start captured the continued group's keys for waves of 8, 32 and 128
+        # sequences at the widest width (256 blocks), so every wave replays one
+        keys = [g["key"] for g in whole["groups_detail"]]
+        assert any(k.startswith("(int64[512]") and "int32[8x256]" in k for k in keys), keys
+        assert whole["replays"] >= 4, whole
         assert whole["parity_mismatches"] == 0 and prefill["calls"] >= 1, prefill
         # NOTE: a corpus figure: the eager engine runs the prefill unpadded, whose GEMM shapes
         # may round differently where logits nearly tie

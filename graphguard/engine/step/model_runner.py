@@ -42,6 +42,7 @@ from graphguard.engine.shapes import (
     prefill_token_bucket,
     prefills_as_rows,
     row_bucket,
+    whole_prefill,
     width_bucket,
 )
 from graphguard.engine.step.decode_inputs import DecodeInputs
@@ -109,8 +110,14 @@ class ModelRunner:
             pad_to = rows if self.pad_prefills else num_tokens
             hidden = self._prefill_rows(seqs, chunks, input_ids, positions, slots, pad_to)
             return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
-        ids_gpu, positions_gpu, meta = self._packed_meta(seqs, chunks, input_ids, positions, slots)
-        hidden = self._run_packed(ids_gpu, positions_gpu, meta, splice)
+        # a whole graph where the kernel set allows one and the step is launch-bound
+        whole = self.pad_prefills and whole_prefill(
+            self.model.kernels, prefill_token_bucket(num_tokens)
+        )
+        ids_gpu, positions_gpu, meta = self._packed_meta(
+            seqs, chunks, input_ids, positions, slots, whole
+        )
+        hidden = self._run_packed(ids_gpu, positions_gpu, meta, splice, whole)
         # the real sequences' rows, not the padding
         return self._logits(seqs, chunks, hidden, _cumsum0(chunks)[1:])
 
@@ -121,16 +128,16 @@ class ModelRunner:
         input_ids: list[int],
         positions: list[int],
         slots: list[int],
+        whole: bool = False,
     ) -> tuple[Tensor, Tensor, AttentionMetadata]:
         """The token ids, positions and metadata of a packed prefill on the device (one copy),
         padded (in place: `input_ids`, `positions`, `slots`) up to its token bucket when
-        prefills pad."""
+        prefills pad, and for a `whole` graph its sequences and table width to buckets too."""
         num_tokens = len(input_ids)
         seq_lens = [seq.num_cached_tokens + chunk for seq, chunk in zip(seqs, chunks, strict=True)]
         query_lens = list(chunks)
         width = max(len(seq.block_table) for seq in seqs)
         # a whole graph is keyed by the tables' shape too: sequences and width padded
-        whole = self.pad_prefills and self.model.kernels.whole_prefill_graphs
         width = width_bucket(width) if whole else width
         pad = prefill_token_bucket(num_tokens) - num_tokens if self.pad_prefills else 0
         dummy = PagedKVStorage.DUMMY_BLOCK
@@ -206,16 +213,21 @@ class ModelRunner:
         return rows(*args)  # a replay, or the same eager rows with one named reason
 
     def _run_packed(
-        self, ids: Tensor, positions: Tensor, meta: AttentionMetadata, splice: ImageSplice | None
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        meta: AttentionMetadata,
+        splice: ImageSplice | None,
+        whole: bool,
     ) -> Tensor:
-        """Hidden states of a packed prefill: through its whole graph where the kernel set's
-        attention allows one (without it, the whole runner answers by the segments), through
-        the segment graphs, or eagerly."""
+        """Hidden states of a packed prefill: through its `whole` graph (where it has none
+        yet, the whole runner answers by the segments), through the segment graphs, or
+        eagerly."""
         graphs = self.graphs
         if graphs is None or graphs.prefill is None:
             return self.forward.prefill(ids, positions, meta, splice)
         context = PrefillContext(meta, self.kv)
-        if graphs.prefill_whole is not None:
+        if whole and graphs.prefill_whole is not None:
             carry = prefill_inputs(self.model, ids, positions, splice, meta, whole=True)
             return graphs.prefill_whole(carry, context)[0]
         carry = prefill_inputs(self.model, ids, positions, splice, meta)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.decode import NumberTokenizer
 from graphguard.core.admission import AdmissionConfig
 from graphguard.core.metrics import GraphMetrics
 from graphguard.engine.config import GraphConfig
@@ -21,8 +22,14 @@ from graphguard.engine.graphs.runners import segmented_runner, whole_prefill_run
 from graphguard.engine.graphs.warmup import warm_whole_prefill
 from graphguard.engine.models import build_model
 from graphguard.engine.models.forward import EagerForward, dummy_prefill_inputs, prefill_inputs
+from graphguard.engine.models.loader import LoadedModel
 from graphguard.engine.scheduling.kv import PagedKVStorage
-from graphguard.engine.shapes import MIN_WIDTH_BLOCKS, prefill_seq_bucket, wave_seq_buckets
+from graphguard.engine.shapes import (
+    MIN_WIDTH_BLOCKS,
+    prefill_seq_bucket,
+    wave_seq_buckets,
+    whole_prefill,
+)
 from graphguard.engine.tokens.sampling import SamplingParams
 from graphguard.kernels import KernelSelection, TorchKernels
 from tests.kv_checks import changed_slots
@@ -233,5 +240,25 @@ def test_a_lazy_start_prices_the_whole_runner_with_its_smallest_key(embedded_mod
         assert whole.policy.knows_a_price
         keys = [(g.key.args[0].shape[0], *g.key.args[-3].shape) for g in whole.groups()]
         assert keys == [(16, 2, MIN_WIDTH_BLOCKS)], keys
+    finally:
+        engine.shutdown()
+
+
+def test_a_packed_prefill_above_the_launch_bound_steps_goes_to_the_segments():
+    """A step of more than WHOLE_PREFILL_TOKENS (512) padded tokens is not a whole key: its
+    rows, not its launches, set its cost, and the segments take it directly, unpadded in
+    sequences and width (a tiny model, so that 600 tokens prefill at once)."""
+    assert whole_prefill(WholeGraphKernels(), 512) and not whole_prefill(WholeGraphKernels(), 640)
+    config = tiny_config(max_position_embeddings=1024)
+    model = build_model(config, dtype=torch.float32, device="cpu", seed=0)
+    loaded = LoadedModel("tiny", model, config, NumberTokenizer(config))
+    engine = make_engine(loaded, graph_backend="sim", max_model_len=1024,
+                         max_num_batched_tokens=1024, block_size=16)  # fmt: skip
+    try:
+        for length in (600, 40):  # 640 padded tokens, then 48
+            engine.add_request(str(length), [(7 * p) % 90 + 3 for p in range(length)], GREEDY_SHORT)
+            engine.step()  # the prefill
+        stats = engine.graphs.stats()["prefill"]
+        assert stats["whole"]["calls"] == 1 and stats["calls"] == 2, stats
     finally:
         engine.shutdown()
