@@ -175,9 +175,8 @@ class EngineGraphs:
                 self.forward, whole, MIN_PREFILL_TOKENS, MIN_WIDTH_BLOCKS,
                 [prefill_seq_bucket(1)], progress,
             )  # fmt: skip
-        report = WarmupReport()
+        report, buckets = WarmupReport(), wave_seq_buckets(max_rows)
         for tokens in groups:
-            buckets = wave_seq_buckets(max_rows)
             report.add(
                 warm_whole_prefill(self.forward, whole, tokens, max(widths), buckets, progress)
             )
@@ -305,18 +304,17 @@ class EngineGraphs:
         stats["capture_steps_deferred"] = self.pacer.num_deferred_total  # for pending prefills
         stats["prefill"] = None
         if self.prefill is not None:
-            stats["prefill"] = self.prefill.stats()
-            stats["prefill"]["groups_detail"] = [asdict(i) for i in self.prefill.group_infos()]
+            stats["prefill"] = _segmented_stats(self.prefill)
             stats["prefill"]["rows"] = _rows_stats(self.prefill_rows)
-            stats["prefill"]["whole"] = _whole_stats(self.prefill_whole)
+            stats["prefill"]["whole"] = _segmented_stats(self.prefill_whole)
         return stats
 
 
-def _whole_stats(whole: SegmentedRunner | None) -> dict[str, Any] | None:
-    if whole is None:
+def _segmented_stats(runner: SegmentedRunner | None) -> dict[str, Any] | None:
+    if runner is None:
         return None
-    stats = whole.stats()
-    stats["groups_detail"] = [asdict(info) for info in whole.group_infos()]
+    stats = runner.stats()
+    stats["groups_detail"] = [asdict(info) for info in runner.group_infos()]
     return stats
 
 

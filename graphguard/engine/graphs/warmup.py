@@ -84,7 +84,8 @@ def warm_whole_prefill(
     keys = []
     for num_seqs in seq_buckets:
         ids, positions, meta = dummy_prefill_inputs(num_tokens, forward.kv, device, num_seqs, width)
-        keys.append(carry_key(prefill_inputs(forward.model, ids, positions, None, meta, True)))
+        carry = prefill_inputs(forward.model, ids, positions, None, meta, whole=True)
+        keys.append(carry_key(carry))
     return whole.warm_keys(keys, progress=progress)
 
 
