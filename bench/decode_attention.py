@@ -43,6 +43,9 @@ RULES = {
     "8 warps": dataclasses.replace(SPLIT_RULE, num_warps=8),
     "merge, 4 programs a head": dataclasses.replace(SPLIT_RULE, merge_programs=4),
     "merge, 8 programs a head": dataclasses.replace(SPLIT_RULE, merge_programs=8),
+    "merge, 8 programs a head, 64 splits a load": dataclasses.replace(
+        SPLIT_RULE, merge_programs=8, merge_chunk=64
+    ),
 }
 
 

@@ -6,25 +6,44 @@ bench/long_context.py measures a 30k-token stream's whole step; bench/decode_att
 attention kernel alone. This one says whether the gap between them is on the device (the
 replay's time) or on the host (the step's wall time minus it), and which kernels hold it.
 
+`--variants` times the step under the kernel set's options side by side in this one process,
+each captured afresh on the same model and cache, and prints each one's ratio to the first:
+
+- `plain`: the engine's default kernels;
+- `pdl`: every kernel launched as a dependent (GRAPHGUARD_PDL=1, graphguard/kernels/launch.py);
+- `prologues`: norms and SiLU inside the GEMMs (GRAPHGUARD_GEMM_PROLOGUES=1);
+- `merge8`: the split decode attention's merge with 8 programs a query head, each loading up
+  to 64 splits' partials at once (decode_plan.py's `merge_programs`, `merge_chunk`);
+- a `+` joins them: `pdl+merge8`.
+
     python bench/long_decode_profile.py [--contexts 512,8192,30000] [--shape qwen3-0.6b]
+        [--variants plain,pdl,prologues,merge8] [--profile-rows 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.long_context import load  # noqa: E402
-from bench.timing import graph_replay_ms  # noqa: E402
+from bench.timing import graph_replay_ms, write_json  # noqa: E402
 from graphguard.engine.llm import LLM  # noqa: E402
 from graphguard.engine.shapes import width_bucket  # noqa: E402
+from graphguard.kernels import launch, triton_decode  # noqa: E402
+from graphguard.kernels.decode_plan import SPLIT_RULE  # noqa: E402
 
 BLOCK_SIZE = 16
+OPTIONS = ("pdl", "prologues", "merge8")
 
 
 def decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
@@ -39,31 +58,83 @@ def decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
     return ids, (lens - 1).long(), tables, lens, slots
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", default="512,8192,30000")
-    parser.add_argument("--shape", default="qwen3-0.6b")
-    args = parser.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    longest = max(contexts)
-    llm = LLM(load(args.shape, False), max_model_len=longest + 64, max_num_seqs=1,
-              num_kv_blocks=longest // BLOCK_SIZE + 64, batch_buckets=(1,),
-              prefix_caching=False)  # fmt: skip
-    decode = llm.engine.forward.decode
-    for context in contexts:
-        replay = graph_replay_ms(decode, *decode_inputs(context))
-        print(f"context {context:>6}: decode step alone {replay:.3f} ms", flush=True)
+def parse_variant(name: str) -> frozenset[str]:
+    parts = frozenset(name.split("+")) - {"plain"}
+    if unknown := parts - set(OPTIONS):
+        raise SystemExit(f"unknown variant option(s) {sorted(unknown)}: choose from {OPTIONS}")
+    return parts
+
+
+@contextlib.contextmanager
+def variant(kernels: Any, options: frozenset[str]) -> Iterator[None]:
+    """The kernel set `kernels` with `options` on, for the block; as it was after."""
+    index = torch.cuda.current_device()
+    saved_pdl = launch._BY_DEVICE.get(index)
+    saved_prologues = kernels.gemm_prologues
+    if "pdl" in options and torch.cuda.get_device_capability(index)[0] < 9:
+        raise SystemExit("pdl needs Hopper or later")
+    launch._BY_DEVICE[index] = "pdl" in options
+    kernels.gemm_prologues = "prologues" in options
+    if "merge8" in options:
+        rule = dataclasses.replace(SPLIT_RULE, merge_programs=8, merge_chunk=64)
+        kernels.decode_attention = functools.partial(triton_decode.decode_attention, rule=rule)
+    try:
+        yield
+    finally:
+        if saved_pdl is None:
+            launch._BY_DEVICE.pop(index, None)
+        else:
+            launch._BY_DEVICE[index] = saved_pdl
+        kernels.gemm_prologues = saved_prologues
+        kernels.__dict__.pop("decode_attention", None)
+
+
+def kernel_table(decode: Any, inputs: tuple[torch.Tensor, ...], rows: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    inputs = decode_inputs(longest)
     decode(*inputs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             decode(*inputs)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-    print(f"-> kernels of 3 eager steps at {longest} tokens\n{table}")
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", default="512,8192,30000")
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--variants", default="plain", help="comma-separated; the first is 1.0x")
+    parser.add_argument("--profile-rows", type=int, default=12, help="kernels in each table")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    names = args.variants.split(",")
+    variants = {name: parse_variant(name) for name in names}
+    longest = max(contexts)
+    llm = LLM(load(args.shape, False), max_model_len=longest + 64, max_num_seqs=1,
+              num_kv_blocks=longest // BLOCK_SIZE + 64, batch_buckets=(1,),
+              prefix_caching=False)  # fmt: skip
+    decode, kernels = llm.engine.forward.decode, llm.engine.kernels.kernels
+    times: dict[str, dict[int, float]] = {}
+    for name, options in variants.items():
+        with variant(kernels, options):
+            times[name] = {}
+            for context in contexts:
+                times[name][context] = graph_replay_ms(decode, *decode_inputs(context))
+                print(f"{name:>16} context {context:>6}: decode step alone "
+                      f"{times[name][context]:.3f} ms", flush=True)  # fmt: skip
+            table = kernel_table(decode, decode_inputs(longest), args.profile_rows)
+            print(f"kernels of 3 eager steps at {longest} tokens, {name}\n{table}", flush=True)
+    base = times[names[0]]
+    device = torch.cuda.get_device_name()
+    print(f"-> decode step alone (raw graph, ms; ratio to {names[0]}), {device}")
+    print(f"{'variant':>16} " + " ".join(f"{c:>16}" for c in contexts))
+    for name in names:
+        cells = [f"{times[name][c]:.3f} ({times[name][c] / base[c]:.3f}x)" for c in contexts]
+        print(f"{name:>16} " + " ".join(f"{cell:>16}" for cell in cells))
+    rows = [dict(variant=n, context=c, step_ms=times[n][c]) for n in names for c in contexts]
+    write_json("long_decode_profile.json", dict(device=device, rows=rows))
     llm.shutdown()
 
 

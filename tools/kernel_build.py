@@ -14,7 +14,7 @@ session is spent on it.
 
 For each build: registers per thread, shared memory, and local memory (spilled registers,
 none expected); and for a PDL build, that the kernel waits for the one before it
-(`griddepcontrol.wait`) after letting the next one launch, with no global load before the wait
+(`griddepcontrol.wait`) before it lets the next one launch, with no global load before the wait
 except the few-rows GEMM's weight tile and its weight prefetches. Exits 1 if a build fails or a
 check does not hold; the table is printed either way.
 """
@@ -204,6 +204,10 @@ def _cases(quick: bool) -> list[tuple[str, Callable[[], object]]]:
         ("decode attention, 256 tokens", attention(256)),
         ("decode attention, 2k tokens", attention(2048)),
         ("decode attention, merge by 4", attention(2048, replace(SPLIT_RULE, merge_programs=4))),
+        (
+            "decode attention, merge by 8 x 64",
+            attention(2048, replace(SPLIT_RULE, merge_programs=8, merge_chunk=64)),
+        ),
         ("q/k/v after add + norm", norm_qkv(rows(HIDDEN))),
         ("q/k/v after norm", norm_qkv(None)),
         (
@@ -318,15 +322,16 @@ def ptxas_report(ptx: str, arch: int) -> str:
 
 def pdl_problems(ptx: str, kernel: str) -> list[str]:
     """What breaks PDL's rule in a dependent kernel's PTX (graphguard/kernels/launch.py): it
-    must let the next kernel launch, then wait, before any global load but a weight's."""
+    must wait for the kernel before it, then let the next one launch, before any global load but
+    a weight's."""
     lines = [line.strip() for line in ptx.splitlines()]
     release = next((i for i, s in enumerate(lines) if s.startswith("griddepcontrol.launch")), -1)
     wait = next((i for i, s in enumerate(lines) if s.startswith("griddepcontrol.wait")), -1)
     if wait < 0 or release < 0:
         return ["no griddepcontrol.launch_dependents / wait"]
     problems = []
-    if release > wait:
-        problems.append("waits before it lets the next kernel launch")
+    if release < wait:
+        problems.append("lets the next kernel launch before it waits")
     early = [s for s in lines[:wait] if s.startswith(("ld.global", "st.global", "atom."))]
     if early and kernel not in WEIGHT_READERS:
         problems.append(f"{len(early)} global accesses before the wait")

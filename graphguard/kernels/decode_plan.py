@@ -24,6 +24,7 @@ class SplitPlan(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     merge_programs: int = 1  # merge programs a query head: each takes head_dim / this dims
+    merge_chunk: int = 16  # splits a merge program loads at once
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,11 @@ class SplitRule:
     into splits shorter than `min_split_tokens` (a split's partial costs a write and a read of
     4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V bytes) nor more than
     `max_splits`. The merge of a split launch runs `merge_programs` programs a query head,
-    each over its share of the head's dimensions. The width is the longest row's context
-    rounded up to a power of two of blocks (engine/shapes.py `width_bucket`), so a row fills
-    between half of it and all of it and the splits past its end return at once. Measured on
-    an H200 (bench/decode_attention.py, run 77 in docs/gpu-validation.md), this plan read one
+    each over its share of the head's dimensions, loading `merge_chunk` splits' partials at
+    once (a chunk is one round trip to memory; the chunks are summed in split order). The width
+    is the longest row's context rounded up to a power of two of blocks (engine/shapes.py
+    `width_bucket`), so a row fills between half of it and all of it and the splits past its
+    end return at once. Measured on an H200 (bench/decode_attention.py, run 77 in docs/gpu-validation.md), this plan read one
     row of 32k in 55.7 us (the best plan that also counted the rows: 50.9) and 16 rows at 98%
     of the bandwidth.
     """
@@ -52,13 +54,15 @@ class SplitRule:
     num_warps: int = 4
     num_stages: int = 2
     merge_programs: int = 1
+    merge_chunk: int = 16
 
     def __post_init__(self) -> None:
         tile, merge = self.block_n, self.merge_programs
         if tile < 16 or tile & (tile - 1) or min(self.row_programs, self.max_splits) < 1:
             raise ValueError(f"unusable split rule {self}")
-        if merge < 1 or merge & (merge - 1):
-            raise ValueError(f"merge_programs must be a power of two, got {merge}")
+        for name, value in (("merge_programs", merge), ("merge_chunk", self.merge_chunk)):
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
 
     def plan(self, ctx_tokens: int, num_kv_heads: int) -> SplitPlan:
         """The plan of a launch over a block table of `ctx_tokens` slots and `num_kv_heads` KV
@@ -83,7 +87,13 @@ class SplitRule:
         split_tokens = _cdiv(_cdiv(ctx_tokens, splits), tile) * tile
         num_splits = _cdiv(ctx_tokens, split_tokens)
         return SplitPlan(
-            num_splits, split_tokens, tile, self.num_warps, self.num_stages, self.merge_programs
+            num_splits,
+            split_tokens,
+            tile,
+            self.num_warps,
+            self.num_stages,
+            self.merge_programs,
+            self.merge_chunk,
         )
 
 

@@ -2,29 +2,32 @@
 starts while the kernel before it on its stream is still running, its programs resident and
 waiting, and goes on once that kernel has finished and its writes are visible.
 
-Each of the decode step's Triton kernels takes a `PDL` flag: with it, a program first lets the
-next kernel launch (`griddepcontrol.launch_dependents`), then waits for the previous one
-(`griddepcontrol.wait`) before it reads anything a kernel of the step writes, or writes
-anything, so every such load and store is ordered as in a plain launch: only the launch, the
-program's start and (in the few-rows GEMM) its weight overlap the kernel before it: the GEMM
+Each of the decode step's Triton kernels takes a `PDL` flag: with it, a program first waits
+for the previous kernel (`griddepcontrol.wait`), then lets the next one launch
+(`griddepcontrol.launch_dependents`), before it reads anything a kernel of the step writes, or
+writes anything, so every such load and store is ordered as in a plain launch: only the launch,
+the program's start and (in the few-rows GEMM) its weight overlap the kernel before it: the GEMM
 asks L2 for its whole share of the weight (`prefetch_l2`) and loads its first tile before the
 wait, so the weight's round trips to memory are spent while the kernel before it runs. A graph
 captures the dependency as a programmatic edge, so replays keep it.
 
-NOTE: what a program reads before its wait must not be written by any kernel of the step, not
-only by the one before it: a kernel whose programs let the next launch before they wait can be
-followed, through a chain of such kernels, by one that starts while a kernel two or more back
-is still running. A weight qualifies; a block table, a sequence length or the K/V cache do not.
+NOTE: a program lets the next kernel launch only after its own wait, so at most two kernels of
+a chain are resident at once: the one running and the next, waiting. Programs that let the next
+launch before they wait can start the whole chain of dependents, kernel after kernel, each
+holding its registers and shared memory on the SMs while it waits for kernels two or more back.
+That order decoded one stream at 30k at 317 tok/s against 401 plainly on an H100 (run 93).
+
+NOTE: what a program reads before its wait must not be written by any kernel of the step: a
+weight qualifies; a block table, a sequence length or the K/V cache do not.
 
 NOTE: every program waits, early exits included, before it does anything else: a kernel none
 of whose programs waited could finish before the kernel it depends on, and the kernel after it
 would then wait on the wrong one.
 
-Off unless GRAPHGUARD_PDL=1: on an H100 one stream at 30k decoded at 317 tok/s with it and
-401 without (run 93, docs/gpu-validation.md), though its tests pass (tests/gpu/
-test_pdl_gpu.py, which turns it on itself); never on older GPUs or in
-Triton's CPU interpreter, where the flag is a constant False and the instructions are never
-compiled.
+Off unless GRAPHGUARD_PDL=1, until a GPU run measures this order against plain launches
+(`bench/long_decode_profile.py --variants`); its tests turn it on themselves (tests/gpu/
+test_pdl_gpu.py). Never on older GPUs or in Triton's CPU interpreter, where the flag is a
+constant False and the instructions are never compiled.
 """
 
 from __future__ import annotations
@@ -85,8 +88,8 @@ def prefetch_l2(pointers):
 
 @triton.jit
 def follow_previous(PDL: tl.constexpr):
-    """With PDL: let the next kernel launch, then wait until the previous one has finished."""
+    """With PDL: wait until the previous kernel has finished, then let the next one launch."""
     if PDL:
         if _GDC:
-            gdc_launch_dependents()
             gdc_wait()
+            gdc_launch_dependents()

@@ -25,8 +25,6 @@ from torch import Tensor
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule
 from graphguard.kernels.launch import follow_previous, launch_flags
 
-MERGE_CHUNK = 16  # splits the merge loads at once: a few round trips, not one per split
-
 
 @triton.jit
 def _attend_tile(
@@ -293,8 +291,8 @@ def decode_attention(
         merge_programs = max(1, min(plan.merge_programs, head_dim // 16))  # 16 dims or more
         _merge_kernel[(num_seqs, num_heads, merge_programs)](
             part_out, part_lse, seq_lens, out, plan.split_tokens, plan.num_splits, num_heads,
-            NUM_CHUNKS=triton.cdiv(plan.num_splits, MERGE_CHUNK) if _INTERPRETED else 1,
-            CHUNK=MERGE_CHUNK, HEAD_DIM=head_dim, DIMS=head_dim // merge_programs,
+            NUM_CHUNKS=triton.cdiv(plan.num_splits, plan.merge_chunk) if _INTERPRETED else 1,
+            CHUNK=plan.merge_chunk, HEAD_DIM=head_dim, DIMS=head_dim // merge_programs,
             DYNAMIC_LOOP=not _INTERPRETED, num_warps=2, **flags,
         )  # fmt: skip
     return out

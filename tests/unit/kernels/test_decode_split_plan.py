@@ -19,7 +19,6 @@ from graphguard.engine.config import GraphConfig  # noqa: E402
 from graphguard.engine.shapes import DECODE_PAD, width_bucket  # noqa: E402
 from graphguard.kernels import HeadShape, triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitPlan, SplitRule, plan_splits  # noqa: E402
-from graphguard.kernels.triton_decode import MERGE_CHUNK  # noqa: E402
 from tests.kernel_cases import BLOCK_SIZE, HEADS, REFERENCE, paged_batch, rel_error  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -115,7 +114,8 @@ def test_the_planned_attention_matches_the_reference(lens, width, heads, dtype):
 
 # Rules other than the default: tiles of 32 and 128 with their warps and stages, more splits
 # than a merge chunk with a last chunk of one split, one split over the whole context, a merge
-# of 4 programs a head (16 dims each at head_dim 64) and of more than the head has dims for.
+# of 4 programs a head (16 dims each at head_dim 64) and of more than the head has dims for, a
+# merge of 8 programs that loads all 17 splits at once (a chunk of 32, partly past the splits).
 OTHER_RULES = [
     SplitRule(min_split_tokens=64, block_n=32, num_warps=2),
     SplitRule(min_split_tokens=128, block_n=128, num_warps=8, num_stages=3),
@@ -123,8 +123,11 @@ OTHER_RULES = [
     SplitRule(direct_tokens=1 << 20),
     SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64, merge_programs=4),
     SplitRule(min_split_tokens=64, merge_programs=64),
+    SplitRule(
+        min_split_tokens=64, row_programs=17 * 8, max_splits=64, merge_programs=8, merge_chunk=32
+    ),  # fmt: skip
 ]
-RULE_IDS = ["tiles32", "tiles128", "chunks2", "direct", "merge4", "merge_past_dims"]
+RULE_IDS = ["tiles32", "tiles128", "chunks2", "direct", "merge4", "merge_past_dims", "chunk32"]
 
 
 @pytest.mark.parametrize("rule", OTHER_RULES, ids=RULE_IDS)
@@ -140,8 +143,10 @@ def test_an_unusable_rule_is_refused():
         with pytest.raises(ValueError, match="unusable"):
             SplitRule(**bad)
     for merge in (0, 3):
-        with pytest.raises(ValueError, match="power of two"):
+        with pytest.raises(ValueError, match="merge_programs must be a power of two"):
             SplitRule(merge_programs=merge)
+        with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
+            SplitRule(merge_chunk=merge)
 
 
 def test_a_merge_of_several_programs_a_head_gives_the_bits_of_one():
@@ -151,7 +156,7 @@ def test_a_merge_of_several_programs_a_head_gives_the_bits_of_one():
     heads = HEADS[1]
     q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
     rule = SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64)
-    assert rule.plan(68 * BLOCK_SIZE, heads.num_kv_heads).num_splits > MERGE_CHUNK
+    assert rule.plan(68 * BLOCK_SIZE, heads.num_kv_heads).num_splits > rule.merge_chunk
     one = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
     four = dataclasses.replace(rule, merge_programs=4)
     assert torch.equal(one, triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, four))

@@ -71,8 +71,8 @@ def test_the_few_rows_gemm_prefetches_its_weight_only_as_a_dependent(rows):
 
 
 PTX = """
-griddepcontrol.launch_dependents; // dummy %r1
-griddepcontrol.wait; // dummy %r2
+griddepcontrol.wait; // dummy %r1
+griddepcontrol.launch_dependents; // dummy %r2
 ld.global.b32 %r3, [%rd1];
 """
 
@@ -89,7 +89,7 @@ def test_the_pdl_check_flags_what_a_dependent_kernel_must_not_do():
     swapped = PTX.replace("launch_dependents", "TMP").replace("wait", "launch_dependents")
     swapped = swapped.replace("TMP", "wait")
     assert tool.pdl_problems(swapped, "_rope_kernel") == [
-        "waits before it lets the next kernel launch"
+        "lets the next kernel launch before it waits"
     ]
     assert tool.pdl_problems("ld.global.b32 %r3, [%rd1];", "_rope_kernel") == [
         "no griddepcontrol.launch_dependents / wait"
