@@ -14,7 +14,10 @@ each captured afresh on the same model and cache, and prints each one's ratio to
 - `prologues`: norms and SiLU inside the GEMMs (GRAPHGUARD_GEMM_PROLOGUES=1);
 - `merge8`: the split decode attention's merge with 8 programs a query head, each loading up
   to 64 splits' partials at once (decode_plan.py's `merge_programs`, `merge_chunk`);
-- a `+` joins them: `pdl+merge8`.
+- a `+` joins them: `pdl+merge8`; a name given twice runs twice (`plain,pdl,plain`).
+
+Beside the times, each variant's logits at the longest context against the first's: dependent
+launches give the same bits, the GEMM prologues and the wider merge differ in the last bits.
 
     python bench/long_decode_profile.py [--contexts 512,8192,30000] [--shape qwen3-0.6b]
         [--variants plain,pdl,prologues,merge8] [--profile-rows 12]
@@ -56,6 +59,17 @@ def decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
     ids = torch.zeros(1, dtype=torch.int64, device="cuda")
     slots = torch.tensor([blocks * BLOCK_SIZE - 1], device="cuda")
     return ids, (lens - 1).long(), tables, lens, slots
+
+
+def label_repeats(names: list[str]) -> list[str]:
+    """The variants' names, a repeat labelled with its count (`plain`, then `plain#2`): a
+    variant run again last shows how far the machine drifted over the run."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return labels
 
 
 def parse_variant(name: str) -> frozenset[str]:
@@ -109,31 +123,42 @@ def main() -> None:
     parser.add_argument("--profile-rows", type=int, default=12, help="kernels in each table")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    names = args.variants.split(",")
-    variants = {name: parse_variant(name) for name in names}
+    names = label_repeats(args.variants.split(","))
+    variants = {name: parse_variant(name.split("#")[0]) for name in names}
     longest = max(contexts)
     llm = LLM(load(args.shape, False), max_model_len=longest + 64, max_num_seqs=1,
               num_kv_blocks=longest // BLOCK_SIZE + 64, batch_buckets=(1,),
               prefix_caching=False)  # fmt: skip
     decode, kernels = llm.engine.forward.decode, llm.engine.kernels.kernels
     times: dict[str, dict[int, float]] = {}
+    logits: dict[str, torch.Tensor] = {}
     for name, options in variants.items():
-        with variant(kernels, options):
-            times[name] = {}
-            for context in contexts:
-                times[name][context] = graph_replay_ms(decode, *decode_inputs(context))
-                print(f"{name:>16} context {context:>6}: decode step alone "
-                      f"{times[name][context]:.3f} ms", flush=True)  # fmt: skip
-            table = kernel_table(decode, decode_inputs(longest), args.profile_rows)
-            print(f"kernels of 3 eager steps at {longest} tokens, {name}\n{table}", flush=True)
-    base = times[names[0]]
+        try:
+            with variant(kernels, options):
+                logits[name] = decode(*decode_inputs(longest)).float()
+                times[name] = {}
+                for context in contexts:
+                    times[name][context] = graph_replay_ms(decode, *decode_inputs(context))
+                    print(f"{name:>16} context {context:>6}: decode step alone "
+                          f"{times[name][context]:.3f} ms", flush=True)  # fmt: skip
+                table = kernel_table(decode, decode_inputs(longest), args.profile_rows)
+                print(f"kernels of 3 eager steps at {longest} tokens, {name}\n{table}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one variant's failure is a row, not the run
+            print(f"{name:>16}: failed, {type(exc).__name__}: {exc}", flush=True)
+            times.pop(name, None)
     device = torch.cuda.get_device_name()
-    print(f"-> decode step alone (raw graph, ms; ratio to {names[0]}), {device}")
-    print(f"{'variant':>16} " + " ".join(f"{c:>16}" for c in contexts))
-    for name in names:
+    first = next((n for n in names if n in times), None)
+    if first is None:
+        raise SystemExit("no variant ran")
+    base, expected = times[first], logits[first]
+    print(f"-> decode step alone (raw graph, ms; ratio to {first}), {device}; logits at "
+          f"{longest} tokens against {first}'s (max |diff| / max |logit|)")  # fmt: skip
+    print(f"{'variant':>16} " + " ".join(f"{c:>16}" for c in contexts) + f"{'logits':>10}")
+    for name in (n for n in names if n in times):
         cells = [f"{times[name][c]:.3f} ({times[name][c] / base[c]:.3f}x)" for c in contexts]
-        print(f"{name:>16} " + " ".join(f"{cell:>16}" for cell in cells))
-    rows = [dict(variant=n, context=c, step_ms=times[n][c]) for n in names for c in contexts]
+        drift = ((logits[name] - expected).abs().max() / expected.abs().max()).item()
+        print(f"{name:>16} " + " ".join(f"{cell:>16}" for cell in cells) + f"{drift:>10.1e}")
+    rows = [dict(variant=n, context=c, step_ms=times[n][c]) for n in times for c in contexts]
     write_json("long_decode_profile.json", dict(device=device, rows=rows))
     llm.shutdown()
 
