@@ -14,13 +14,15 @@ each captured afresh on the same model and cache, and prints each one's ratio to
 - `prologues`: norms and SiLU inside the GEMMs (GRAPHGUARD_GEMM_PROLOGUES=1);
 - `merge8`: the split decode attention's merge with 8 programs a query head, each loading up
   to 64 splits' partials at once (decode_plan.py's `merge_programs`, `merge_chunk`);
+- `split`: the few-rows GEMM splits K where a weight has few output features
+  (GRAPHGUARD_SPLIT_K=1, graphguard/kernels/triton_linear.py);
 - a `+` joins them: `pdl+merge8`; a name given twice runs twice (`plain,pdl,plain`).
 
 Beside the times, each variant's logits at the longest context against the first's: dependent
 launches give the same bits, the GEMM prologues and the wider merge differ in the last bits.
 
     python bench/long_decode_profile.py [--contexts 512,8192,30000] [--shape qwen3-0.6b]
-        [--variants plain,pdl,prologues,merge8] [--profile-rows 12]
+        [--variants plain,pdl,prologues,merge8,split] [--profile-rows 12]
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from graphguard.kernels import launch, triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE  # noqa: E402
 
 BLOCK_SIZE = 16
-OPTIONS = ("pdl", "prologues", "merge8")
+OPTIONS = ("pdl", "prologues", "merge8", "split")
 
 
 def decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
@@ -84,11 +86,12 @@ def variant(kernels: Any, options: frozenset[str]) -> Iterator[None]:
     """The kernel set `kernels` with `options` on, for the block; as it was after."""
     index = torch.cuda.current_device()
     saved_pdl = launch._BY_DEVICE.get(index)
-    saved_prologues = kernels.gemm_prologues
+    saved_prologues, saved_split = kernels.gemm_prologues, kernels.split_k
     if "pdl" in options and torch.cuda.get_device_capability(index)[0] < 9:
         raise SystemExit("pdl needs Hopper or later")
     launch._BY_DEVICE[index] = "pdl" in options
     kernels.gemm_prologues = "prologues" in options
+    kernels.split_k = "split" in options
     if "merge8" in options:
         rule = dataclasses.replace(SPLIT_RULE, merge_programs=8, merge_chunk=64)
         kernels.decode_attention = functools.partial(triton_decode.decode_attention, rule=rule)
@@ -99,7 +102,7 @@ def variant(kernels: Any, options: frozenset[str]) -> Iterator[None]:
             launch._BY_DEVICE.pop(index, None)
         else:
             launch._BY_DEVICE[index] = saved_pdl
-        kernels.gemm_prologues = saved_prologues
+        kernels.gemm_prologues, kernels.split_k = saved_prologues, saved_split
         kernels.__dict__.pop("decode_attention", None)
 
 

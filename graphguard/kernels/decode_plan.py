@@ -41,9 +41,9 @@ class SplitRule:
     once (a chunk is one round trip to memory; the chunks are summed in split order). The width
     is the longest row's context rounded up to a power of two of blocks (engine/shapes.py
     `width_bucket`), so a row fills between half of it and all of it and the splits past its
-    end return at once. Measured on an H200 (bench/decode_attention.py, run 77 in docs/gpu-validation.md), this plan read one
-    row of 32k in 55.7 us (the best plan that also counted the rows: 50.9) and 16 rows at 98%
-    of the bandwidth.
+    end return at once. Measured on an H200 (bench/decode_attention.py, run 77 in
+    docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that also
+    counted the rows: 50.9) and 16 rows at 98% of the bandwidth.
     """
 
     row_programs: int = 512

@@ -28,6 +28,10 @@ from graphguard.kernels.reference import TorchKernels
 # projection, each one kernel in a few-rows step (docs/kernels.md); off: one stream at 30k
 # decoded at 245 tok/s with it and 401 without on an H100 (run 93).
 PROLOGUES_ENV = "GRAPHGUARD_GEMM_PROLOGUES"
+# GRAPHGUARD_SPLIT_K=1: the few-rows GEMM splits K where a weight has few output features
+# (triton_linear.plan_linear); off until a GPU run checks the engine's tests with it (run 87's
+# two failures, docs/kernels.md) and measures it.
+SPLIT_K_ENV = "GRAPHGUARD_SPLIT_K"
 # GRAPHGUARD_WHOLE_PREFILL=0: packed prefills in segments with eager attention between them, as
 # the reference set's run, instead of whole graphs (docs/segmented.md): for side-by-side runs.
 WHOLE_PREFILL_ENV = "GRAPHGUARD_WHOLE_PREFILL"
@@ -45,12 +49,14 @@ class TritonKernels(TorchKernels):
     def __init__(self) -> None:
         self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
         self.gemm_prologues = os.environ.get(PROLOGUES_ENV, "0") == "1"
+        self.split_k = os.environ.get(SPLIT_K_ENV, "0") == "1"
         # the prefill attention reads the metadata's device tensors alone (triton_prefill.py)
         self.whole_prefill_graphs = os.environ.get(WHOLE_PREFILL_ENV, "1") != "0"
 
     def opt_ins(self) -> tuple[str, ...]:
         asked = (
             (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
+            (f"{SPLIT_K_ENV}=1", self.split_k),
             (f"{launch.PDL_ENV}=1", launch.asked_for()),
             (f"{WHOLE_PREFILL_ENV}=0", not self.whole_prefill_graphs),
         )
@@ -60,7 +66,8 @@ class TritonKernels(TorchKernels):
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
         # one of the same bucket run the same kernel.
         if triton_linear.can_take(x, weight):
-            return triton_linear.few_rows_linear(x, weight)
+            plan = triton_linear.plan_linear(x.shape[1], weight.shape[0], split=self.split_k)
+            return triton_linear.few_rows_linear(x, weight, plan)
         return F.linear(x, weight)
 
     def norm_linear(

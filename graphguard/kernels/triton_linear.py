@@ -7,11 +7,11 @@ for the matrix unit) and walks its share of K in one fixed order: many more prog
 and a result that does not depend on the batch it came in (each row is computed alone).
 
 A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
-on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`, not the engine's default: see
-the NOTE below): each split writes a float32 partial, and the last of a column block's splits
-to finish (an arrival counter, reset by that program) adds the partials in split order and
-writes the output. The sum's order is fixed, so the result is the same bits on every call, in
-any batch, eager or replayed.
+on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`; the engine's only with
+GRAPHGUARD_SPLIT_K=1: see the NOTE below): each split writes a float32 partial, and the last
+of a column block's splits to finish (an arrival counter, reset by that program) adds the
+partials in split order and writes the output. The sum's order is fixed, so the result is the
+same bits on every call, in any batch, eager or replayed.
 
 The kernel can also compute its input rows itself (`few_rows_norm_linear`,
 `few_rows_silu_linear`, asked for with GRAPHGUARD_GEMM_PROLOGUES=1: docs/kernels.md): the
@@ -21,6 +21,7 @@ down projection, each K tile computed as the separate kernel computes it, one la
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -38,11 +39,16 @@ MAX_SPLITS = 8
 MAX_UNITS = 1 << 16  # column blocks a split launch may count arrivals for
 PLAIN, NORM, SILU = 0, 1, 2  # what the kernel does to its input rows before the GEMM
 _NORM, _SILU = tl.constexpr(NORM), tl.constexpr(SILU)  # the same, as the kernels read them
-# NOTE: the engine's plans do not split K. Launches that share the arrival counters must not
-# run side by side on the device, and a capture's warm-up on its own stream may run beside a
-# step still in flight: with split plans, run 87 found staggered batches' greedy tokens changed
-# (tests/gpu/test_engine_gpu.py). `plan_linear(..., split=True)` gives the split plan, for the
-# benchmarks and the tests.
+# NOTE: the engine's plans split K only with GRAPHGUARD_SPLIT_K=1 (kernels/fused.py). Launches
+# that share the arrival counters must not run side by side on the device. In the engine none
+# do: steps and replays go on the step thread's stream, and a capture's warm-up on its own
+# stream first waits for that stream and is waited for (core/backends.py `warm_up`). With
+# split plans, run 87 found staggered batches' greedy tokens changed (tests/gpu/
+# test_engine_gpu.py), where batches of at most 16 rows that rode a 32-row graph (cuBLAS) were
+# compared with eager ones (this kernel): numerically different paths, whose near-ties a
+# different sum order can flip. Those tests now check the graphs' parity with eager first, so
+# that a GPU run with the switch on says which it was. `plan_linear(..., split=True)` gives
+# the split plan for the benchmarks and the tests.
 
 
 class LinearPlan(NamedTuple):
@@ -55,6 +61,7 @@ class LinearPlan(NamedTuple):
     num_stages: int = 5
 
 
+@functools.lru_cache(maxsize=256)
 def plan_linear(num_in: int, num_out: int, split: bool = False) -> LinearPlan:
     """The plan for a weight of `num_out` x `num_in`; with `split`, K split while the column
     blocks are fewer than TARGET_PROGRAMS, each split a whole number of tiles (a function of

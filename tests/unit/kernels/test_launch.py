@@ -49,10 +49,10 @@ def test_a_cpu_and_the_interpreter_never_launch_as_dependents(gpu_of, monkeypatc
 def test_the_startup_line_names_the_opt_ins_the_environment_turned_on(monkeypatch):
     pytest.importorskip("triton")
     from graphguard.kernels import KernelSelection
-    from graphguard.kernels.fused import PROLOGUES_ENV, TritonKernels
+    from graphguard.kernels.fused import PROLOGUES_ENV, SPLIT_K_ENV, TritonKernels
 
-    monkeypatch.delenv(launch.PDL_ENV, raising=False)
-    monkeypatch.delenv(PROLOGUES_ENV, raising=False)
+    for name in (launch.PDL_ENV, PROLOGUES_ENV, SPLIT_K_ENV):
+        monkeypatch.delenv(name, raising=False)
     assert KernelSelection(TritonKernels(), "asked for").describe() == "triton (asked for)"
     monkeypatch.setenv(launch.PDL_ENV, "1")
     monkeypatch.setenv(PROLOGUES_ENV, "1")

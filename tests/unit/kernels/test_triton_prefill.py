@@ -294,6 +294,33 @@ def test_with_gemm_prologues_a_few_rows_step_norms_and_activates_inside_its_gemm
     assert (norms, silus) == (2 * config.num_layers, config.num_layers)
 
 
+def test_with_split_k_a_few_rows_step_splits_the_gemms_of_few_outputs(monkeypatch):
+    """GRAPHGUARD_SPLIT_K=1: a step of 9 tokens splits K in the GEMMs whose column blocks are
+    few (o_proj and down_proj at a width of 32 and 256 inputs), the startup line names the
+    switch, and the hidden states stay the reference set's."""
+    monkeypatch.setenv(fused_module.SPLIT_K_ENV, "1")
+    monkeypatch.delenv(fused_module.WHOLE_PREFILL_ENV, raising=False)
+    real = triton_linear.few_rows_linear
+    splits: list[int] = []
+
+    def recorded(x, weight, plan=None):
+        splits.append(plan.splits if plan is not None else 1)
+        return real(x, weight, plan)
+
+    monkeypatch.setattr(triton_linear, "few_rows_linear", recorded)
+    config = tiny_config(head_dim=16, num_heads=16, intermediate_size=256)
+    kernels = TritonKernels()
+    assert kernels.opt_ins() == (f"{fused_module.SPLIT_K_ENV}=1",)
+    outputs = [
+        model_step(*model_and_cache(config, k), [(0, 0, 9)], staged=False)
+        for k in (TorchKernels(), kernels)
+    ]
+    assert rel_error(outputs[1], outputs[0]) < 1e-4
+    # per layer: q/k/v and gate/up whole (320 x 32 and 512 x 32), o_proj (32 x 256) and down
+    # (32 x 256) split in two
+    assert splits == [1, 2, 1, 2] * config.num_layers, splits
+
+
 def spy(fn, name: str, calls: list[str]):
     def called(*args, **kwargs):
         calls.append(name)
