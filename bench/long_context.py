@@ -132,7 +132,7 @@ def decode_run(llm: LLM, batch: list[list[int]], steps: int, max_tokens: int) ->
     while engine.has_unfinished_requests():
         engine.step()
     result = dict(decode_tok_s=tokens / seconds, decode_ms_per_step=1e3 * seconds / steps,
-                  decode_streams=tokens / steps)  # fmt: skip
+                  decode_streams=tokens / steps, decode_steps=steps)  # fmt: skip
     if graphs_before is not None and engine.graphs is not None:
         after = engine.graphs.stats()
         result["decode_replays"] = after["replays"] - graphs_before["replays"]
@@ -234,7 +234,10 @@ def describe(row: dict) -> str:
         f"{row['prefill_floor_tok_s']:>11,.0f}, {100 * row['prefill_fraction']:5.1f}%), decode "
         f"{row['decode_tok_s']:>7,.0f} tok/s (floor {row['decode_floor_tok_s']:>8,.0f}, "
         f"{100 * row['decode_fraction']:5.1f}%)"
-    )
+        # a timed decode step that ran eagerly says the row's figure is not the graphs'
+        + (f", {row['decode_replays']} of {row['decode_steps']} steps replayed"
+           if "decode_replays" in row else "")
+    )  # fmt: skip
 
 
 def plot(rows: list[dict]) -> Path | None:
