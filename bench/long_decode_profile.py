@@ -9,11 +9,13 @@ replay's time) or on the host (the step's wall time minus it), and which kernels
 `--variants` times the step under the kernel set's options side by side in this one process,
 each captured afresh on the same model and cache, and prints each one's ratio to the first:
 
-- `plain`: the engine's default kernels;
-- `pdl`: every kernel launched as a dependent (GRAPHGUARD_PDL=1, graphguard/kernels/launch.py);
+- `plain`: the default kernels launched plainly (GRAPHGUARD_PDL=0);
+- `pdl`: every kernel launched as a dependent (graphguard/kernels/launch.py): the engine's
+  default on Hopper and later, so `pdl` is the engine's step;
 - `prologues`: norms and SiLU inside the GEMMs (GRAPHGUARD_GEMM_PROLOGUES=1);
 - `merge8`: the split decode attention's merge with 8 programs a query head, each loading up
-  to 64 splits' partials at once (decode_plan.py's `merge_programs`, `merge_chunk`);
+  to 64 splits' partials at once, at every width (decode_plan.py's `merge_programs`,
+  `merge_chunk`; the default rule merges so from 64 splits on, contexts past 8k);
 - `split`: the few-rows GEMM splits K where a weight has few output features
   (GRAPHGUARD_SPLIT_K=1, graphguard/kernels/triton_linear.py);
 - a `+` joins them: `pdl+merge8`; a name given twice runs twice (`plain,pdl,plain`).

@@ -44,8 +44,8 @@ class KernelSelection:
         return self.kernels.name
 
     def describe(self) -> str:
-        """The set, why, and what runs beside it: a CPU's instruction sets, the opt-ins the
-        environment turned on (`TorchKernels.opt_ins`)."""
+        """The set, why, and what runs beside it: a CPU's instruction sets, the switches the
+        environment changed from their defaults (`TorchKernels.opt_ins`)."""
         extras = (*self.cpu_features, *self.kernels.opt_ins())
         features = f"; {', '.join(extras)}" if extras else ""
         return f"{self.name} ({self.reason}{features})"

@@ -38,12 +38,17 @@ class SplitRule:
     4 * head_dim bytes per query head: 2 * group / split_tokens of its K/V bytes) nor more than
     `max_splits`. The merge of a split launch runs `merge_programs` programs a query head,
     each over its share of the head's dimensions, loading `merge_chunk` splits' partials at
-    once (a chunk is one round trip to memory; the chunks are summed in split order). The width
+    once (a chunk is one round trip to memory; the chunks are summed in split order); a launch
+    of `wide_merge_splits` splits or more merges wider, `wide_merge_programs` programs a head
+    loading `wide_merge_chunk` splits at once (one round trip for a 30k row's 64 partials,
+    against four). The width
     is the longest row's context rounded up to a power of two of blocks (engine/shapes.py
     `width_bucket`), so a row fills between half of it and all of it and the splits past its
     end return at once. Measured on an H200 (bench/decode_attention.py, run 77 in
     docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that also
-    counted the rows: 50.9) and 16 rows at 98% of the bandwidth.
+    counted the rows: 50.9) and 16 rows at 98% of the bandwidth. The wide merge replayed the
+    whole 30k step in 0.964x the time (run 94); at 512 tokens (2 splits) it cost 1.11x, so
+    short contexts keep the narrow one.
     """
 
     row_programs: int = 512
@@ -55,12 +60,16 @@ class SplitRule:
     num_stages: int = 2
     merge_programs: int = 1
     merge_chunk: int = 16
+    wide_merge_splits: int = 64
+    wide_merge_programs: int = 8
+    wide_merge_chunk: int = 64
 
     def __post_init__(self) -> None:
-        tile, merge = self.block_n, self.merge_programs
+        tile = self.block_n
         if tile < 16 or tile & (tile - 1) or min(self.row_programs, self.max_splits) < 1:
             raise ValueError(f"unusable split rule {self}")
-        for name, value in (("merge_programs", merge), ("merge_chunk", self.merge_chunk)):
+        for name in ("merge_programs", "merge_chunk", "wide_merge_programs", "wide_merge_chunk"):
+            value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
 
@@ -86,15 +95,10 @@ class SplitRule:
         tile = self.block_n
         split_tokens = _cdiv(_cdiv(ctx_tokens, splits), tile) * tile
         num_splits = _cdiv(ctx_tokens, split_tokens)
-        return SplitPlan(
-            num_splits,
-            split_tokens,
-            tile,
-            self.num_warps,
-            self.num_stages,
-            self.merge_programs,
-            self.merge_chunk,
-        )
+        merge = (self.merge_programs, self.merge_chunk)
+        if num_splits >= self.wide_merge_splits:
+            merge = (self.wide_merge_programs, self.wide_merge_chunk)
+        return SplitPlan(num_splits, split_tokens, tile, self.num_warps, self.num_stages, *merge)
 
 
 SPLIT_RULE = SplitRule()

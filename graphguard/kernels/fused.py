@@ -29,8 +29,8 @@ from graphguard.kernels.reference import TorchKernels
 # decoded at 245 tok/s with it and 401 without on an H100 (run 93).
 PROLOGUES_ENV = "GRAPHGUARD_GEMM_PROLOGUES"
 # GRAPHGUARD_SPLIT_K=1: the few-rows GEMM splits K where a weight has few output features
-# (triton_linear.plan_linear); off until a GPU run checks the engine's tests with it (run 87's
-# two failures, docs/kernels.md) and measures it.
+# (triton_linear.plan_linear); off: on an H200 it kept the graphs' parity but added nothing to
+# dependent launches (one stream at 30k: 502 tok/s with both, 504 without it; run 94).
 SPLIT_K_ENV = "GRAPHGUARD_SPLIT_K"
 # GRAPHGUARD_WHOLE_PREFILL=0: packed prefills in segments with eager attention between them, as
 # the reference set's run, instead of whole graphs (docs/segmented.md): for side-by-side runs.
@@ -57,7 +57,7 @@ class TritonKernels(TorchKernels):
         asked = (
             (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
             (f"{SPLIT_K_ENV}=1", self.split_k),
-            (f"{launch.PDL_ENV}=1", launch.asked_for()),
+            (f"{launch.PDL_ENV}=0", not launch.asked_for()),
             (f"{WHOLE_PREFILL_ENV}=0", not self.whole_prefill_graphs),
         )
         return tuple(name for name, on in asked if on)

@@ -124,8 +124,8 @@ class TorchKernels:
         place); the plain ops need nothing."""
 
     def opt_ins(self) -> tuple[str, ...]:
-        """What the environment turned on in this set that is off by default (the startup
-        log names it)."""
+        """What the environment changed in this set from its defaults (the startup log names
+        it)."""
         return ()
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:

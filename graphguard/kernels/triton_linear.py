@@ -43,12 +43,13 @@ _NORM, _SILU = tl.constexpr(NORM), tl.constexpr(SILU)  # the same, as the kernel
 # that share the arrival counters must not run side by side on the device. In the engine none
 # do: steps and replays go on the step thread's stream, and a capture's warm-up on its own
 # stream first waits for that stream and is waited for (core/backends.py `warm_up`). With
-# split plans, run 87 found staggered batches' greedy tokens changed (tests/gpu/
+# split plans, runs 87 and 94 found staggered batches' greedy tokens changed (tests/gpu/
 # test_engine_gpu.py), where batches of at most 16 rows that rode a 32-row graph (cuBLAS) were
 # compared with eager ones (this kernel): numerically different paths, whose near-ties a
-# different sum order can flip. Those tests now check the graphs' parity with eager first, so
-# that a GPU run with the switch on says which it was. `plan_linear(..., split=True)` gives
-# the split plan for the benchmarks and the tests.
+# different sum order can flip. Run 94 checked the graphs' parity with eager first and it held:
+# not a race. The switch stays off because it paid nothing beside dependent launches (run 94,
+# docs/kernels.md). `plan_linear(..., split=True)` gives the split plan for the benchmarks and
+# the tests.
 
 
 class LinearPlan(NamedTuple):

@@ -63,6 +63,18 @@ def staggered(engine: LLMEngine, num: int = 32) -> dict[str, list[int]]:
     return tokens
 
 
+def share_of_same_tokens(got: dict[str, list[int]], expected: dict[str, list[int]]) -> float:
+    """The share of `expected`'s tokens that `got` has at the same place of the same request.
+
+    For runs whose GEMMs differ (a batch of at most 16 rows riding a 32-row graph runs cuBLAS,
+    the same batch eager runs the few-rows kernel): a different sum order can flip a near-tie
+    of the random weights' logits, and then the rest of that request. The graphs' parity with
+    eager, checked bit for bit on the same padded batch, is the exact check."""
+    assert got.keys() == expected.keys()
+    same = sum(a == b for rid in expected for a, b in zip(got[rid], expected[rid], strict=True))
+    return same / sum(map(len, expected.values()))
+
+
 def test_graphs_are_on_with_the_capability_proof(loaded):
     engine = make(loaded)
     try:
@@ -126,11 +138,10 @@ def test_batches_without_a_graph_ride_the_largest_one_and_give_eager_tokens(load
         # batches of 2 to 31 rows rode a 32-row graph (36 steps on an H200), each replay the
         # bits of the same padded batch run eagerly, and gave eager's tokens; the narrower
         # widths and batches of one earn graphs of their own.
-        # NOTE: parity first: a ride's GEMMs are cuBLAS's at 32 rows where an eager batch of
-        # 16 rows or fewer runs the few-rows kernel, so lost parity and changed tokens say
-        # different things (docs/kernels.md, GRAPHGUARD_SPLIT_K)
+        # NOTE: parity is the exact check; the tokens a corpus figure (share_of_same_tokens):
+        # with GRAPHGUARD_SPLIT_K=1, run 94 kept parity and moved 4 of 32 requests' near-ties
         assert stats["covered"] > 0 and stats["parity_mismatches"] == 0, stats
-        assert got == expected
+        assert share_of_same_tokens(got, expected) >= 0.9, (got, expected)
     finally:
         eager.shutdown()
         graphs.shutdown()
@@ -276,10 +287,10 @@ def test_a_lazy_start_prices_captures_and_payback_defers_keys_until_they_pay(loa
         while graphs.has_capture_in_flight():
             graphs.step()
         stats = graphs.graphs.stats()
-        # NOTE: parity before tokens, as in the test above
+        # NOTE: parity exact, the tokens a corpus figure, as in the test above
         assert stats["admission"]["awaiting_payback"] > 0 and stats["parity_mismatches"] == 0
         assert stats["covered"] > 0 and stats["prefill"]["rows"]["covered"] > 0, stats
-        assert got == expected
+        assert share_of_same_tokens(got, expected) >= 0.9, (got, expected)
     finally:
         eager.shutdown()
         graphs.shutdown()
@@ -396,9 +407,8 @@ def test_a_packed_prefill_replays_one_whole_graph_and_answers_as_eager_does(load
         assert whole["parity_mismatches"] == 0 and prefill["calls"] >= 1, prefill
         # NOTE: a corpus figure: the eager engine runs the prefill unpadded, whose GEMM shapes
         # may round differently where logits nearly tie
-        pairs = zip(*answers, strict=True)
-        same = sum(a == b for x, y in pairs for a, b in zip(x, y, strict=True))
-        assert same >= 0.9 * sum(map(len, answers[0])), answers
+        by_index = [{str(i): answer for i, answer in enumerate(run)} for run in answers]
+        assert share_of_same_tokens(*reversed(by_index)) >= 0.9, answers
     finally:
         eager.shutdown()
         graphs.shutdown()

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (graphguard/kernels/launch.py, GRAPHGUARD_PDL=1) on the device:
+"""Programmatic dependent launch (graphguard/kernels/launch.py, on by default) on the device:
 on Hopper a chain of the decode step's kernels launched as dependents, eager or captured in a
 graph, gives the bits of the same chain launched plainly, replay after replay with new inputs.
 Each test turns it on itself, whatever the environment says."""

@@ -115,7 +115,8 @@ def test_the_planned_attention_matches_the_reference(lens, width, heads, dtype):
 # Rules other than the default: tiles of 32 and 128 with their warps and stages, more splits
 # than a merge chunk with a last chunk of one split, one split over the whole context, a merge
 # of 4 programs a head (16 dims each at head_dim 64) and of more than the head has dims for, a
-# merge of 8 programs that loads all 17 splits at once (a chunk of 32, partly past the splits).
+# merge of 8 programs that loads all 17 splits at once (a chunk of 32, partly past the splits),
+# the wide merge (8 programs, a chunk of 64) from 16 splits on instead of 64.
 OTHER_RULES = [
     SplitRule(min_split_tokens=64, block_n=32, num_warps=2),
     SplitRule(min_split_tokens=128, block_n=128, num_warps=8, num_stages=3),
@@ -126,8 +127,11 @@ OTHER_RULES = [
     SplitRule(
         min_split_tokens=64, row_programs=17 * 8, max_splits=64, merge_programs=8, merge_chunk=32
     ),  # fmt: skip
+    SplitRule(min_split_tokens=64, row_programs=17 * 8, max_splits=64, wide_merge_splits=16),
 ]
-RULE_IDS = ["tiles32", "tiles128", "chunks2", "direct", "merge4", "merge_past_dims", "chunk32"]
+RULE_IDS = [
+    "tiles32", "tiles128", "chunks2", "direct", "merge4", "merge_past_dims", "chunk32", "wide",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("rule", OTHER_RULES, ids=RULE_IDS)
@@ -136,6 +140,17 @@ def test_any_rule_gives_the_reference(rule):
     q, cache, tables, seq_lens = paged_batch(heads, [1088, 77, 500], 68, torch.float32, "cpu")
     actual = triton_decode.decode_attention(q, cache, tables, seq_lens, 0.1, rule=rule)
     assert rel_error(actual, reference(q, cache, tables, seq_lens, 0.1)) < TOLERANCE[torch.float32]
+
+
+def test_launches_of_many_splits_merge_wide_and_short_ones_narrow():
+    """A 30k row's 64 partials in one round trip of 8 programs a head; a 2k context's 8
+    splits (and a 512-token one's 2) in one program a head, as before."""
+    rule = SPLIT_RULE
+    long, short = plan_splits(32768, 8), plan_splits(2048, 8)
+    assert long.num_splits == rule.wide_merge_splits == 64
+    assert (long.merge_programs, long.merge_chunk) == (8, 64)
+    assert short.num_splits < rule.wide_merge_splits
+    assert (short.merge_programs, short.merge_chunk) == (rule.merge_programs, rule.merge_chunk)
 
 
 def test_an_unusable_rule_is_refused():
@@ -147,6 +162,8 @@ def test_an_unusable_rule_is_refused():
             SplitRule(merge_programs=merge)
         with pytest.raises(ValueError, match="merge_chunk must be a power of two"):
             SplitRule(merge_chunk=merge)
+        with pytest.raises(ValueError, match="wide_merge_programs must be a power of two"):
+            SplitRule(wide_merge_programs=merge)
 
 
 def test_a_merge_of_several_programs_a_head_gives_the_bits_of_one():

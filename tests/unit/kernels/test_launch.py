@@ -1,5 +1,5 @@
 """Which launches are programmatic dependents (graphguard/kernels/launch.py): Hopper and later
-on CUDA with GRAPHGUARD_PDL=1; never on a CPU or in Triton's interpreter."""
+on CUDA unless GRAPHGUARD_PDL=0; never on a CPU or in Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -29,13 +29,19 @@ def test_hopper_and_later_launch_as_dependents_and_older_gpus_do_not(gpu_of):
     assert not launch.dependent_launch(gpu_of(8))
 
 
-@pytest.mark.parametrize("setting", [None, "0", "yes"])
-def test_dependent_launch_is_off_unless_the_environment_asks_for_it(gpu_of, monkeypatch, setting):
+@pytest.mark.parametrize("setting", [None, "1", "yes"])
+def test_dependent_launch_is_on_by_default(gpu_of, monkeypatch, setting):
     device = gpu_of(9)
     if setting is None:
         monkeypatch.delenv(launch.PDL_ENV)
     else:
         monkeypatch.setenv(launch.PDL_ENV, setting)
+    assert launch.dependent_launch(device)
+
+
+def test_the_environment_turns_dependent_launch_off(gpu_of, monkeypatch):
+    device = gpu_of(9)
+    monkeypatch.setenv(launch.PDL_ENV, "0")
     assert not launch.dependent_launch(device)
 
 
@@ -46,7 +52,7 @@ def test_a_cpu_and_the_interpreter_never_launch_as_dependents(gpu_of, monkeypatc
     assert not launch.dependent_launch(device)
 
 
-def test_the_startup_line_names_the_opt_ins_the_environment_turned_on(monkeypatch):
+def test_the_startup_line_names_what_the_environment_changed(monkeypatch):
     pytest.importorskip("triton")
     from graphguard.kernels import KernelSelection
     from graphguard.kernels.fused import PROLOGUES_ENV, SPLIT_K_ENV, TritonKernels
@@ -54,10 +60,10 @@ def test_the_startup_line_names_the_opt_ins_the_environment_turned_on(monkeypatc
     for name in (launch.PDL_ENV, PROLOGUES_ENV, SPLIT_K_ENV):
         monkeypatch.delenv(name, raising=False)
     assert KernelSelection(TritonKernels(), "asked for").describe() == "triton (asked for)"
-    monkeypatch.setenv(launch.PDL_ENV, "1")
+    monkeypatch.setenv(launch.PDL_ENV, "0")
     monkeypatch.setenv(PROLOGUES_ENV, "1")
     described = KernelSelection(TritonKernels(), "asked for").describe()
-    assert described == f"triton (asked for; {PROLOGUES_ENV}=1, {launch.PDL_ENV}=1)"
+    assert described == f"triton (asked for; {PROLOGUES_ENV}=1, {launch.PDL_ENV}=0)"
 
 
 def test_a_rocm_device_never_launches_as_a_dependent(gpu_of, monkeypatch):
