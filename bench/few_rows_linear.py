@@ -7,12 +7,19 @@ does, not from L2), as a raw CUDA graph of all the layers' calls; the time is th
 over the layers. Plans: the engine's (`plan_linear`), the kernel before K was split (tiles of
 128, 3 stages), and with `--grid` every combination of splits, tile, warps and stages.
 
-    python bench/few_rows_linear.py [--shape qwen3-0.6b] [--rows 1,16] [--grid]
+`--prologues` times, for each GEMM a norm or SiLU feeds (q/k/v and gate/up after the residual
+add and RMSNorm, down after SiLU-and-multiply), the GEMM alone, the two kernels the engine
+launches (the norm or SiLU, then the GEMM) and the one GEMM that computes its input itself
+(GRAPHGUARD_GEMM_PROLOGUES=1, docs/kernels.md), each the same way: which prologue is slow,
+and by how much against the two launches it replaces.
+
+    python bench/few_rows_linear.py [--shape qwen3-0.6b] [--rows 1,16] [--grid] [--prologues]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
@@ -22,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.timing import graph_replay_ms, write_json  # noqa: E402
-from graphguard.kernels import triton_linear  # noqa: E402
+from graphguard.kernels import triton_linear, triton_mlp, triton_norm  # noqa: E402
 from graphguard.kernels.triton_linear import LinearPlan  # noqa: E402
 
 HBM_BYTES_PER_S = 4.25e12
@@ -101,12 +108,80 @@ def measure(shape: str, rows: int, grid: bool) -> list[dict]:
     return results
 
 
+def _alone(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        triton_linear.few_rows_linear(x, weight)
+
+
+def _silu_then_gemm(gate_up: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        triton_linear.few_rows_linear(triton_mlp.silu_mul(gate_up), weight)
+
+
+def _silu_gemm(gate_up: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        triton_linear.few_rows_silu_linear(gate_up, weight)
+
+
+def _norm_then_gemm(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+                    weights: list[torch.Tensor]) -> None:  # fmt: skip
+    for weight in weights:
+        normed, _ = triton_norm.add_rms_norm(x, residual, gamma, 1e-6)
+        triton_linear.few_rows_linear(normed, weight)
+
+
+def _norm_gemm(x: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor,
+               weights: list[torch.Tensor]) -> None:  # fmt: skip
+    for weight in weights:
+        triton_linear.few_rows_norm_linear(x, residual, gamma, 1e-6, weight)
+
+
+def measure_prologues(shape: str, rows: int) -> list[dict]:
+    """Per layer, us: each prologue GEMM alone, as the engine's two launches, and as one."""
+    hidden, layers = SHAPES[shape][0], SHAPES[shape][-1]
+    results: list[dict] = []
+    shapes = gemms(shape)
+    for name in ("qkv", "gate_up", "down"):
+        num_out, num_in = shapes[name]
+        weights = [
+            torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) / num_in**0.5
+            for _ in range(layers)
+        ]
+        x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
+        if name == "down":
+            gate_up = torch.randn(rows, 2 * num_in, device="cuda", dtype=torch.bfloat16)
+            two = functools.partial(_silu_then_gemm, gate_up, weights)
+            one = functools.partial(_silu_gemm, gate_up, weights)
+        else:
+            residual = torch.randn_like(x)
+            gamma = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+            two = functools.partial(_norm_then_gemm, x, residual, gamma, weights)
+            one = functools.partial(_norm_gemm, x, residual, gamma, weights)
+        row: dict = dict(shape=shape, gemm=name, rows=rows)
+        steps = (("alone", functools.partial(_alone, x, weights)), ("two launches", two),
+                 ("prologue", one))  # fmt: skip
+        for label, step in steps:
+            row[label] = 1e3 * graph_replay_ms(step, replays=30) / layers
+        results.append(row)
+        print(f"  {shape} {name:>8} x{rows:<2}: GEMM alone {row['alone']:5.1f} us, two launches "
+              f"{row['two launches']:5.1f}, prologue {row['prologue']:5.1f} "
+              f"({row['prologue'] / row['two launches']:.2f}x the two)", flush=True)  # fmt: skip
+        del weights
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--grid", action="store_true", help="every combination of the knobs")
+    parser.add_argument("--prologues", action="store_true", help="the GEMMs with their inputs' "
+                        "norm or SiLU: two launches against one")  # fmt: skip
     args = parser.parse_args()
+    if args.prologues:
+        found = [r for n in args.rows.split(",") for r in measure_prologues(args.shape, int(n))]
+        print(f"-> {write_json(f'few_rows_prologues_{args.shape}.json', dict(results=found))}")
+        return
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         results += measure(args.shape, rows, args.grid)
