@@ -70,22 +70,28 @@ def plans(num_in: int, num_out: int, grid: bool) -> dict[str, LinearPlan]:
     return found
 
 
+def layer_weights(num_out: int, num_in: int, layers: int) -> list[torch.Tensor]:
+    """One weight per layer, distinct, so each call reads its weight from HBM."""
+    return [
+        torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) / num_in**0.5
+        for _ in range(layers)
+    ]
+
+
+def _gemms(x: torch.Tensor, weights: list[torch.Tensor], plan: LinearPlan | None = None) -> None:
+    for weight in weights:
+        triton_linear.few_rows_linear(x, weight, plan)
+
+
 def measure(shape: str, rows: int, grid: bool) -> list[dict]:
     layers = SHAPES[shape][-1]
     results: list[dict] = []
     for name, (num_out, num_in) in gemms(shape).items():
-        weights = [
-            torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) / num_in**0.5
-            for _ in range(layers)
-        ]
+        weights = layer_weights(num_out, num_in, layers)
         x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
         floor_us = 1e6 * num_out * num_in * 2 / HBM_BYTES_PER_S
         for label, plan in plans(num_in, num_out, grid).items():
-
-            def step(plan: LinearPlan = plan, x: torch.Tensor = x, weights: list = weights) -> None:
-                for weight in weights:
-                    triton_linear.few_rows_linear(x, weight, plan)
-
+            step = functools.partial(_gemms, x, weights, plan)
             try:
                 us = 1e3 * graph_replay_ms(step, replays=30) / layers
             except Exception as exc:  # noqa: BLE001 - a tile set past the shared memory, say
@@ -106,11 +112,6 @@ def measure(shape: str, rows: int, grid: bool) -> list[dict]:
               f"best {best['plan']} {best['us']:5.1f} ({100 * best['fraction']:3.0f}%)",
               flush=True)  # fmt: skip
     return results
-
-
-def _alone(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
-    for weight in weights:
-        triton_linear.few_rows_linear(x, weight)
 
 
 def _silu_then_gemm(gate_up: torch.Tensor, weights: list[torch.Tensor]) -> None:
@@ -143,10 +144,7 @@ def measure_prologues(shape: str, rows: int) -> list[dict]:
     shapes = gemms(shape)
     for name in ("qkv", "gate_up", "down"):
         num_out, num_in = shapes[name]
-        weights = [
-            torch.randn(num_out, num_in, device="cuda", dtype=torch.bfloat16) / num_in**0.5
-            for _ in range(layers)
-        ]
+        weights = layer_weights(num_out, num_in, layers)
         x = torch.randn(rows, num_in, device="cuda", dtype=torch.bfloat16)
         if name == "down":
             gate_up = torch.randn(rows, 2 * num_in, device="cuda", dtype=torch.bfloat16)
@@ -158,7 +156,7 @@ def measure_prologues(shape: str, rows: int) -> list[dict]:
             two = functools.partial(_norm_then_gemm, x, residual, gamma, weights)
             one = functools.partial(_norm_gemm, x, residual, gamma, weights)
         row: dict = dict(shape=shape, gemm=name, rows=rows)
-        steps = (("alone", functools.partial(_alone, x, weights)), ("two launches", two),
+        steps = (("alone", functools.partial(_gemms, x, weights)), ("two launches", two),
                  ("prologue", one))  # fmt: skip
         for label, step in steps:
             row[label] = 1e3 * graph_replay_ms(step, replays=30) / layers

@@ -41,14 +41,13 @@ class SplitRule:
     once (a chunk is one round trip to memory; the chunks are summed in split order); a launch
     of `wide_merge_splits` splits or more merges wider, `wide_merge_programs` programs a head
     loading `wide_merge_chunk` splits at once (one round trip for a 30k row's 64 partials,
-    against four). The width
-    is the longest row's context rounded up to a power of two of blocks (engine/shapes.py
-    `width_bucket`), so a row fills between half of it and all of it and the splits past its
-    end return at once. Measured on an H200 (bench/decode_attention.py, run 77 in
-    docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan that also
-    counted the rows: 50.9) and 16 rows at 98% of the bandwidth. The wide merge replayed the
-    whole 30k step in 0.964x the time (run 94); at 512 tokens (2 splits) it cost 1.11x, so
-    short contexts keep the narrow one.
+    against four). The width is the longest row's context rounded up to a power of two of
+    blocks (engine/shapes.py `width_bucket`), so a row fills between half of it and all of it
+    and the splits past its end return at once. Measured on an H200 (bench/decode_attention.py,
+    run 77 in docs/gpu-validation.md), this plan read one row of 32k in 55.7 us (the best plan
+    that also counted the rows: 50.9) and 16 rows at 98% of the bandwidth. The wide merge
+    replayed the whole 30k step in 0.964x the time (run 94); at 512 tokens (2 splits) it cost
+    1.11x, so short contexts keep the narrow one.
     """
 
     row_programs: int = 512
