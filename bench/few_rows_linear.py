@@ -4,8 +4,9 @@ side: device time per call and the fraction of the weight-read floor.
 Each of a model shape's four decode GEMMs (q/k/v, o_proj, gate/up, down_proj) runs over one
 weight per layer (distinct weights, so each call reads its weight from HBM as a decode step
 does, not from L2), as a raw CUDA graph of all the layers' calls; the time is the replay's
-over the layers. Plans: the engine's (`plan_linear`), the kernel before K was split (tiles of
-128, 3 stages), and with `--grid` every combination of splits, tile, warps and stages.
+over the layers. Plans: `plan_linear`'s (the engine's from 2 rows on), the kernel before K
+was split (tiles of 128, 3 stages), and with `--grid` every combination of splits, tile, warps
+and stages; at one row, also `one_row_linear` (the engine's GEMM for a batch of one).
 
 `--prologues` times, for each GEMM a norm or SiLU feeds (q/k/v and gate/up after the residual
 add and RMSNorm, down after SiLU-and-multiply), the GEMM alone, the two kernels the engine
@@ -83,6 +84,11 @@ def _gemms(x: torch.Tensor, weights: list[torch.Tensor], plan: LinearPlan | None
         triton_linear.few_rows_linear(x, weight, plan)
 
 
+def _one_row_gemms(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
+    for weight in weights:
+        triton_linear.one_row_linear(x, weight)
+
+
 def measure(shape: str, rows: int, grid: bool) -> list[dict]:
     layers = SHAPES[shape][-1]
     results: list[dict] = []
@@ -99,6 +105,11 @@ def measure(shape: str, rows: int, grid: bool) -> list[dict]:
                 continue
             results.append(dict(shape=shape, gemm=name, rows=rows, plan=label, us=us,
                                 fraction=floor_us / us, knobs=plan._asdict()))  # fmt: skip
+        if rows == 1:
+            step = functools.partial(_one_row_gemms, x, weights)
+            us = 1e3 * graph_replay_ms(step, replays=30) / layers
+            results.append(dict(shape=shape, gemm=name, rows=rows, plan="one_row", us=us,
+                                fraction=floor_us / us, knobs={}))  # fmt: skip
         del weights
         best = min((r for r in results if r["gemm"] == name and r["rows"] == rows),
                    key=lambda r: r["us"])  # fmt: skip
@@ -106,9 +117,12 @@ def measure(shape: str, rows: int, grid: bool) -> list[dict]:
                       and r["plan"] == "engine")  # fmt: skip
         before = next(r for r in results if r["gemm"] == name and r["rows"] == rows
                       and r["plan"] == "before")  # fmt: skip
+        one = next((r for r in results if r["gemm"] == name and r["rows"] == rows
+                    and r["plan"] == "one_row"), None)  # fmt: skip
+        one_row = f"one row {one['us']:5.1f} ({100 * one['fraction']:3.0f}%), " if one else ""
         print(f"  {shape} {name:>8} ({num_out}x{num_in}) x{rows:<2}: floor {floor_us:5.1f} us; "
               f"engine {engine['us']:5.1f} ({100 * engine['fraction']:3.0f}%), "
-              f"before {before['us']:5.1f} ({100 * before['fraction']:3.0f}%), "
+              f"before {before['us']:5.1f} ({100 * before['fraction']:3.0f}%), {one_row}"
               f"best {best['plan']} {best['us']:5.1f} ({100 * best['fraction']:3.0f}%)",
               flush=True)  # fmt: skip
     return results

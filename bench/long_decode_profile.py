@@ -18,6 +18,8 @@ each captured afresh on the same model and cache, and prints each one's ratio to
   `merge_chunk`; the default rule merges so from 64 splits on, contexts past 8k);
 - `split`: the few-rows GEMM splits K where a weight has few output features
   (GRAPHGUARD_SPLIT_K=1, graphguard/kernels/triton_linear.py);
+- `dot1`: a batch of one through the few-rows GEMM (the matrix unit, rows padded to 16), as
+  before `one_row_linear` took it (graphguard/kernels/triton_linear.py);
 - a `+` joins them: `pdl+merge8`; a name given twice runs twice (`plain,pdl,plain`).
 
 Beside the times, each variant's logits at the longest context against the first's: dependent
@@ -50,7 +52,7 @@ from graphguard.kernels import launch, triton_decode  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE  # noqa: E402
 
 BLOCK_SIZE = 16
-OPTIONS = ("pdl", "prologues", "merge8", "split")
+OPTIONS = ("pdl", "prologues", "merge8", "split", "dot1")
 
 
 def decode_inputs(context: int) -> tuple[torch.Tensor, ...]:
@@ -88,12 +90,13 @@ def variant(kernels: Any, options: frozenset[str]) -> Iterator[None]:
     """The kernel set `kernels` with `options` on, for the block; as it was after."""
     index = torch.cuda.current_device()
     saved_pdl = launch._BY_DEVICE.get(index)
-    saved_prologues, saved_split = kernels.gemm_prologues, kernels.split_k
+    saved = kernels.gemm_prologues, kernels.split_k, kernels.one_row
     if "pdl" in options and torch.cuda.get_device_capability(index)[0] < 9:
         raise SystemExit("pdl needs Hopper or later")
     launch._BY_DEVICE[index] = "pdl" in options
     kernels.gemm_prologues = "prologues" in options
     kernels.split_k = "split" in options
+    kernels.one_row = "dot1" not in options
     if "merge8" in options:
         rule = dataclasses.replace(SPLIT_RULE, merge_programs=8, merge_chunk=64)
         kernels.decode_attention = functools.partial(triton_decode.decode_attention, rule=rule)
@@ -104,7 +107,7 @@ def variant(kernels: Any, options: frozenset[str]) -> Iterator[None]:
             launch._BY_DEVICE.pop(index, None)
         else:
             launch._BY_DEVICE[index] = saved_pdl
-        kernels.gemm_prologues, kernels.split_k = saved_prologues, saved_split
+        kernels.gemm_prologues, kernels.split_k, kernels.one_row = saved
         kernels.__dict__.pop("decode_attention", None)
 
 

@@ -15,8 +15,8 @@ session is spent on it.
 For each build: registers per thread, shared memory, and local memory (spilled registers,
 none expected); and for a PDL build, that the kernel waits for the one before it
 (`griddepcontrol.wait`) before it lets the next one launch, with no global load before the wait
-except the few-rows GEMM's weight tile and its weight prefetches. Exits 1 if a build fails or a
-check does not hold; the table is printed either way.
+except the GEMMs' weight tiles and the few-rows GEMM's weight prefetches. Exits 1 if a build
+fails or a check does not hold; the table is printed either way.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from graphguard.kernels import (  # noqa: E402
 from graphguard.kernels.decode_plan import SPLIT_RULE, SplitRule  # noqa: E402
 from graphguard.kernels.reference import HeadShape, QKNorm  # noqa: E402
 
-# The few-rows GEMM may read its weight before the wait: no kernel of a step writes one.
-WEIGHT_READERS = ("_few_rows_kernel",)
+# The GEMMs of few rows may read their weight before the wait: no kernel of a step writes one.
+WEIGHT_READERS = ("_few_rows_kernel", "_one_row_kernel")
 
 
 @dataclass
@@ -208,6 +208,11 @@ def _cases(quick: bool) -> list[tuple[str, Callable[[], object]]]:
             "decode attention, merge by 8 x 64",
             attention(2048, replace(SPLIT_RULE, merge_programs=8, merge_chunk=64)),
         ),
+        (
+            "q/k/v, one row",
+            lambda: triton_linear.one_row_linear(rows(HIDDEN), weight(4096, HIDDEN)),
+        ),
+        ("down, one row", lambda: triton_linear.one_row_linear(rows(MLP), weight(HIDDEN, MLP))),
         ("q/k/v after add + norm", norm_qkv(rows(HIDDEN))),
         ("q/k/v after norm", norm_qkv(None)),
         (
@@ -292,7 +297,7 @@ def build(item: Launch, target: GPUTarget) -> Build:
     if pdl_build:
         result.problems += pdl_problems(compiled.asm["ptx"], item.name)
     result.prefetches = compiled.asm["ptx"].count("prefetch.global.L2")
-    if pdl_build and item.name in WEIGHT_READERS and not result.prefetches:
+    if pdl_build and item.name == "_few_rows_kernel" and not result.prefetches:
         result.problems.append("asks L2 for none of its weight before the wait")
     return result
 

@@ -1,9 +1,9 @@
 """The fused kernel set: Triton kernels for the decoder's norms, RoPE, MLP activation and paged
 decode and prefill attention; the GEMMs stay cuBLAS (one for q/k/v, one for gate/up, weights
-concatenated at load; up to 16 rows, a Triton kernel made for few rows). Short prefills run
-their attention as decode rows (graphguard/engine/shapes.py `prefills_as_rows`); a packed
-prefill's attention is one varlen launch over the paged cache (`triton_prefill.py`);
-everything else is the reference's."""
+concatenated at load; 2-16 rows, a Triton kernel made for few rows; one row, a Triton GEMV).
+Short prefills run their attention as decode rows (graphguard/engine/shapes.py
+`prefills_as_rows`); a packed prefill's attention is one varlen launch over the paged cache
+(`triton_prefill.py`); everything else is the reference's."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ PROLOGUES_ENV = "GRAPHGUARD_GEMM_PROLOGUES"
 # (triton_linear.plan_linear); off: on an H200 it kept the graphs' parity but added nothing to
 # dependent launches (one stream at 30k: 502 tok/s with both, 504 without it; run 94).
 SPLIT_K_ENV = "GRAPHGUARD_SPLIT_K"
+# GRAPHGUARD_ONE_ROW=0: a batch of one through the few-rows GEMM (the matrix unit, rows padded to
+# 16) instead of `one_row_linear`: for side-by-side runs (docs/kernels.md).
+ONE_ROW_ENV = "GRAPHGUARD_ONE_ROW"
 # GRAPHGUARD_WHOLE_PREFILL=0: packed prefills in segments with eager attention between them, as
 # the reference set's run, instead of whole graphs (docs/segmented.md): for side-by-side runs.
 WHOLE_PREFILL_ENV = "GRAPHGUARD_WHOLE_PREFILL"
@@ -50,6 +53,7 @@ class TritonKernels(TorchKernels):
         self._has_prefill_tiles = False  # both of the prefill kernel's tile sets compiled
         self.gemm_prologues = os.environ.get(PROLOGUES_ENV, "0") == "1"
         self.split_k = os.environ.get(SPLIT_K_ENV, "0") == "1"
+        self.one_row = os.environ.get(ONE_ROW_ENV, "1") != "0"
         # the prefill attention reads the metadata's device tensors alone (triton_prefill.py)
         self.whole_prefill_graphs = os.environ.get(WHOLE_PREFILL_ENV, "1") != "0"
 
@@ -58,14 +62,18 @@ class TritonKernels(TorchKernels):
             (f"{PROLOGUES_ENV}=1", self.gemm_prologues),
             (f"{SPLIT_K_ENV}=1", self.split_k),
             (f"{launch.PDL_ENV}=0", not launch.asked_for()),
+            (f"{ONE_ROW_ENV}=0", not self.one_row),
             (f"{WHOLE_PREFILL_ENV}=0", not self.whole_prefill_graphs),
         )
         return tuple(name for name, on in asked if on)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         # NOTE: up to 16 rows (a batch bucket's edge), so an eager batch and the graph's padded
-        # one of the same bucket run the same kernel.
+        # one of the same bucket run the same kernel; one row (a bucket of its own) the one-row
+        # GEMM: one stream at 30k decoded at 626 tok/s with it, 545 without (run 103).
         if triton_linear.can_take(x, weight):
+            if self.one_row and x.shape[0] == 1:  # no matrix unit, no rows of padding
+                return triton_linear.one_row_linear(x, weight)
             plan = triton_linear.plan_linear(x.shape[1], weight.shape[0], split=self.split_k)
             return triton_linear.few_rows_linear(x, weight, plan)
         return F.linear(x, weight)

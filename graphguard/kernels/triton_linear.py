@@ -4,7 +4,11 @@ At batch 1-16 a decoder GEMM reads its weight once and does almost no arithmetic
 on a handful of 8x64 tiles (15 thread blocks for SmolLM2's q/k/v), so latency, not bandwidth,
 sets its time. Here every program owns BLOCK_N output features for all rows (rows padded to 16
 for the matrix unit) and walks its share of K in one fixed order: many more programs in flight,
-and a result that does not depend on the batch it came in (each row is computed alone).
+and a result that does not depend on the batch of 2-16 it came in (each row is computed alone).
+
+One row alone (batch-1 decode) takes `one_row_linear`: no matrix unit, no padding to 16 rows,
+each program's whole share of the weight loaded at once (docs/kernels.md). Its sums are its own,
+so a row alone and the same row in a batch agree within float32 rounding, not bit for bit.
 
 A layer with few output features (a 1,024-wide o_proj or down_proj: 64 programs of 16 features
 on a GPU of 132 SMs) can also split K (`plan_linear(split=True)`; the engine's only with
@@ -32,6 +36,8 @@ from torch import Tensor
 from graphguard.kernels.launch import follow_previous, launch_flags, prefetch_l2
 
 MAX_ROWS = 16  # rows the kernel takes; more go to cuBLAS
+ONE_ROW_BLOCK_N = 4  # output features per program of the one-row kernel
+ONE_ROW_TILE = 1024  # inputs per tile of the one-row kernel
 BLOCK_N = 16  # output features per program
 # Programs a split plan aims for: K splits until the column blocks times the splits reach it.
 TARGET_PROGRAMS = 128
@@ -248,8 +254,59 @@ def _few_rows_kernel(
             tl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")  # the next call's
 
 
+@triton.jit
+def _one_row_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    num_out,
+    stride_w,
+    NUM_IN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_col = cols < num_out
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    # NOTE: the weight's first tile (at 1,024 inputs or fewer, the program's whole share) is
+    # loaded before the wait: no kernel of a step writes a weight (graphguard/kernels/launch.py)
+    w = tl.load(w_rows + ks[None, :], mask=is_col[:, None] & (ks < NUM_IN)[None, :], other=0.0)
+    follow_previous(PDL)
+    x = tl.load(x_ptr + ks, mask=ks < NUM_IN, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for tile in tl.static_range(1, (NUM_IN + BLOCK_K - 1) // BLOCK_K):  # unrolled: loads at once
+        k = tile * BLOCK_K + ks
+        w = tl.load(w_rows + k[None, :], mask=is_col[:, None] & (k < NUM_IN)[None, :], other=0.0)
+        x = tl.load(x_ptr + k, mask=k < NUM_IN, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(out_ptr + cols, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=is_col)
+
+
+def one_row_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [1, K] @ weight[N, K].T``, float32 accumulation, without the matrix unit: each
+    program owns ONE_ROW_BLOCK_N output features and loads their whole rows of the weight at
+    once (tiles of up to 1,024 inputs, unrolled), products summed in float32 per input lane,
+    then across lanes. Many small programs with every load in flight: on an H200 a Qwen3-0.6B
+    decode layer's four GEMMs took 14.0 us against 20.9 with `few_rows_linear` (run 102,
+    docs/kernels.md). Its bits are its own: a row alone here and the same row in a batch of
+    2-16 (`few_rows_linear`) agree within float32 rounding of their different sums."""
+    if x.dim() != 2 or x.shape[0] != 1 or not can_take(x, weight):
+        raise ValueError(f"one_row_linear takes one unit-stride row: {tuple(x.shape)}")
+    num_in, num_out = x.shape[1], weight.shape[0]
+    out = x.new_empty((1, num_out))
+    _one_row_kernel[(triton.cdiv(num_out, ONE_ROW_BLOCK_N),)](
+        x, weight, out, num_out, weight.stride(0), NUM_IN=num_in, BLOCK_N=ONE_ROW_BLOCK_N,
+        BLOCK_K=min(ONE_ROW_TILE, triton.next_power_of_2(num_in)),
+        num_warps=4 if num_in <= ONE_ROW_TILE else 8, num_stages=1, **launch_flags(x.device),
+    )  # fmt: skip
+    return out
+
+
 def can_take(x: Tensor, weight: Tensor) -> bool:
-    """Whether `few_rows_linear` takes this call: 1-16 rows, unit-stride rows and weight."""
+    """Whether `few_rows_linear` takes this call (and `one_row_linear`, at one row): 1-16
+    rows, unit-stride rows and weight."""
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS

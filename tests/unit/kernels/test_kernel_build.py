@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[3]
 STEP_KERNELS = {
-    "_partial_kernel", "_merge_kernel", "_few_rows_kernel", "_rms_norm_kernel", "_rope_kernel",
-    "_silu_mul_kernel", "_rope_pair_kernel",
+    "_partial_kernel", "_merge_kernel", "_few_rows_kernel", "_one_row_kernel", "_rms_norm_kernel",
+    "_rope_kernel", "_silu_mul_kernel", "_rope_pair_kernel",
 }  # fmt: skip
 
 
@@ -82,8 +82,9 @@ def test_the_pdl_check_flags_what_a_dependent_kernel_must_not_do():
     assert tool.pdl_problems(PTX, "_merge_kernel") == []
     early_load = "ld.global.b32 %r0, [%rd0];\n" + PTX
     assert tool.pdl_problems(early_load, "_merge_kernel") == ["1 global accesses before the wait"]
-    # the GEMM may load its weight before the wait, never store
+    # the GEMMs may load their weight before the wait, never store
     assert tool.pdl_problems(early_load, "_few_rows_kernel") == []
+    assert tool.pdl_problems(early_load, "_one_row_kernel") == []
     early_store = "st.global.b32 [%rd0], %r0;\n" + PTX
     assert tool.pdl_problems(early_store, "_few_rows_kernel") == ["stores before the wait"]
     swapped = PTX.replace("launch_dependents", "TMP").replace("wait", "launch_dependents")

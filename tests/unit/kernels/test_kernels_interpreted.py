@@ -198,3 +198,14 @@ def test_decode_attention_matches_reference(dtype, heads, lens, width):
     )
     assert rel_error(actual[real], expected[real]) < 2 * TOLERANCE[dtype]
     assert not actual[~real].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("outs,ins", [(96, 576), (50, 100), (9, 2100)])  # one tile, three tiles
+def test_the_one_row_linear_matches_reference(dtype, outs, ins):
+    x = torch.randn(1, ins).to(dtype)
+    weight = (torch.randn(outs, ins) / ins**0.5).to(dtype)
+    expected = REFERENCE.linear(x.float(), weight.float())
+    assert rel_error(triton_linear.one_row_linear(x, weight), expected) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="one unit-stride row"):
+        triton_linear.one_row_linear(torch.cat([x, x]), weight)

@@ -327,3 +327,31 @@ def spy(fn, name: str, calls: list[str]):
         return fn(*args, **kwargs)
 
     return called
+
+
+@pytest.mark.parametrize("one_row", ["1", "0"])
+def test_a_step_of_one_row_runs_its_gemms_in_the_one_row_kernel(monkeypatch, one_row):
+    """A step of one token runs each layer's four GEMMs in `one_row_linear`, a step of two in
+    the few-rows kernel; GRAPHGUARD_ONE_ROW=0 (side-by-side runs) sends the one row to the
+    few-rows kernel too, and the startup line names it. The hidden states are the reference
+    set's either way."""
+    monkeypatch.setenv(fused_module.ONE_ROW_ENV, one_row)
+    calls: list[str] = []
+    for name in ("one_row_linear", "few_rows_linear"):
+        real = getattr(triton_linear, name)
+        monkeypatch.setattr(triton_linear, name, spy(real, name, calls))
+    config = tiny_config(head_dim=16)
+    kernels = TritonKernels()
+    assert kernels.opt_ins() == (() if one_row == "1" else ("GRAPHGUARD_ONE_ROW=0",))
+    taken = {}
+    for tokens in (1, 2):
+        calls.clear()
+        outputs = [
+            model_step(*model_and_cache(config, k), [(0, 0, tokens)], staged=False)
+            for k in (TorchKernels(), kernels)
+        ]
+        assert rel_error(outputs[1], outputs[0]) < 1e-4
+        taken[tokens] = set(calls), len(calls)
+    gemms = 4 * config.num_layers
+    one = "one_row_linear" if one_row == "1" else "few_rows_linear"
+    assert taken == {1: ({one}, gemms), 2: ({"few_rows_linear"}, gemms)}
