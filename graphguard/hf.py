@@ -21,6 +21,7 @@ stale one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -37,6 +38,8 @@ from graphguard.core.options import CaptureConfig
 from graphguard.core.verify import VerifyConfig
 from graphguard.hf_kernels import Fusion, fuse_kernels
 from graphguard.hf_segments import DecodeMode, DecoderSegments
+
+log = logging.getLogger("graphguard")
 
 
 class GraphedCausalLM:
@@ -77,6 +80,7 @@ class GraphedCausalLM:
     ):
         self.model = model
         self.fusion = _fusion(model, kernels)
+        self._forward_options = _forward_options(model)
         self.max_cache_len = max_cache_len
         self.batch_buckets = Buckets(batch=batch_buckets) if batch_buckets else None
         # One StaticCache per batch size (a cache's rows are fixed at its first write); the
@@ -97,20 +101,39 @@ class GraphedCausalLM:
             name="hf_decode",
         )
         self.segments: DecoderSegments | None = None
+        self.segments_refused: str | None = None  # why "auto" runs without segments
         if DecodeMode(mode) is not DecodeMode.WHOLE:
-            self.segments = DecoderSegments(
-                model, lambda: self.cache, DecodeMode(mode), self.runner, max_bytes=max_bytes,
-                verify=verify, admission=admission, capture=capture, backend=backend,
-                metrics=metrics,
-            )  # fmt: skip
+            try:
+                self.segments = DecoderSegments(
+                    model, lambda: self.cache, DecodeMode(mode), self.runner,
+                    max_bytes=max_bytes, verify=verify, admission=admission, capture=capture,
+                    backend=backend, metrics=metrics,
+                )  # fmt: skip
+            except ValueError as exc:
+                if DecodeMode(mode) is DecodeMode.SEGMENTED:
+                    raise
+                # NOTE: "auto" still graphs whole steps; a key refused for good runs eagerly
+                self.segments_refused = str(exc)
+                log.warning("graphguard: decode steps without segments: %s", exc)
 
-    def _decode(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
-        """Logits [B, vocab] of one token per row at `position` (a [1] tensor), over the cache.
-        `adapters` keys the graph by the active adapters (the step's Python path)."""
+    def _decode(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        adapters: Hashable,
+        mask_names: tuple[str, ...] | None,
+        *masks: Tensor | None,
+    ) -> Tensor:
+        """Logits [B, vocab] of one token per row, as `generate`'s decode step computes them:
+        at `positions` [B, 1], under the attention masks `generate` builds for the step (one,
+        or one per layer type named by `mask_names`), over the cache. `adapters` keys the graph
+        by the active adapters (the step's Python path)."""
         del adapters
+        mask = masks[0] if mask_names is None else dict(zip(mask_names, masks, strict=True))
         out = self.model(
-            input_ids=ids, past_key_values=self.cache, cache_position=position, use_cache=True
-        )
+            input_ids=ids, position_ids=positions, attention_mask=mask,
+            past_key_values=self.cache, use_cache=True, **self._forward_options,
+        )  # fmt: skip
         return out.logits[:, -1, :]
 
     def adapters(self) -> Hashable:
@@ -141,31 +164,31 @@ class GraphedCausalLM:
         generator: torch.Generator | None = None,
     ) -> Tensor:
         """The prompt `input_ids` [B, T] followed by `max_new_tokens` new tokens of each row,
-        chosen as `model.generate` chooses them (greedy unless `do_sample`)."""
+        chosen as `model.generate` chooses them (greedy unless `do_sample`). Each step's inputs
+        (positions, attention masks) are the ones `generate` gives the model, built by the
+        model's own `prepare_inputs_for_generation` outside the graphs."""
         batch, length = input_ids.shape
         if length + max_new_tokens > self.max_cache_len:
             raise ValueError(
                 f"{length} prompt tokens + {max_new_tokens} new exceed max_cache_len "
                 f"{self.max_cache_len}"
             )
-        input_ids = self._padded(input_ids)
-        self.cache = self._cache_of(input_ids.shape[0])
+        ids = self._padded(input_ids)
+        self.cache = self._cache_of(ids.shape[0])
         self.cache.reset()
-        device = input_ids.device
-        positions = torch.arange(length, device=device)
-        out = self.model(input_ids=input_ids, past_key_values=self.cache, cache_position=positions)
-        logits = out.logits[:, -1, :]
-        tokens = [input_ids]
+        context = _Context(ids, self.cache, self._forward_options)
+        logits = self.model(**context.inputs(self.model, first=True)).logits[:, -1, :]
         adapters = self.adapters()
         decode: Callable[..., Tensor] = self.runner if self.segments is None else self.segments
         for step in range(max_new_tokens):
             pick = _sample(logits, do_sample, temperature, top_k, top_p, generator)
-            tokens.append(pick[:, None])
+            context.append(pick[:, None])
             if step + 1 == max_new_tokens:
                 break
-            position = torch.tensor([length + step], device=device)
-            logits = decode(pick[:, None], position, adapters)
-        return torch.cat(tokens, dim=1)[:batch]
+            inputs = context.inputs(self.model, first=False)
+            names, masks = _masks(inputs["attention_mask"])
+            logits = decode(inputs["input_ids"], inputs["position_ids"], adapters, names, *masks)
+        return context.ids[:batch]
 
     def _padded(self, input_ids: Tensor) -> Tensor:
         """The prompt rows padded up to the smallest batch bucket that holds them (repeats of
@@ -184,9 +207,9 @@ class GraphedCausalLM:
         return self.caches[rows]
 
     def _new_cache(self) -> Any:
-        from transformers import StaticCache
+        from graphguard.hf_cache import HoledStaticCache
 
-        return StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        return HoledStaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
 
     def close(self) -> None:
         self.runner.close()
@@ -194,6 +217,49 @@ class GraphedCausalLM:
             self.segments.close()
         if self.fusion is not None:
             self.fusion.restore()
+
+
+class _Context:
+    """A generation's tokens, 2-D attention mask and positions so far, kept as `generate`
+    keeps them, and the model inputs of its next step."""
+
+    def __init__(self, ids: Tensor, cache: Any, options: dict[str, Any]) -> None:
+        self.ids = ids
+        self.mask = torch.ones_like(ids)
+        positions = self.mask.cumsum(-1) - 1
+        self.positions = positions.masked_fill(self.mask == 0, 0)
+        self.cache = cache
+        self.options = options
+
+    def append(self, tokens: Tensor) -> None:
+        """One new token per row."""
+        self.ids = torch.cat([self.ids, tokens], dim=-1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((self.mask.shape[0], 1))], dim=-1)
+        self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], dim=-1)
+
+    def inputs(self, model: Any, first: bool) -> dict[str, Any]:
+        """The model's inputs for the prompt (`first`) or the last token, from the model's
+        own prepare_inputs_for_generation."""
+        return model.prepare_inputs_for_generation(
+            self.ids, next_sequence_length=None if first else 1, past_key_values=self.cache,
+            attention_mask=self.mask, position_ids=self.positions, use_cache=True,
+            is_first_iteration=first, **self.options,
+        )  # fmt: skip
+
+
+def _masks(mask: Any) -> tuple[tuple[str, ...] | None, tuple[Tensor | None, ...]]:
+    """A step's attention mask as graph inputs: (None, (mask,)), or per layer type (its names,
+    its masks in their order)."""
+    if isinstance(mask, dict):
+        return tuple(mask), tuple(mask.values())
+    return None, (mask,)
+
+
+def _forward_options(model: Any) -> dict[str, Any]:
+    """What `generate` adds to every forward: logits of the last position only, where the
+    model takes `logits_to_keep`."""
+    supports = getattr(model, "_supports_logits_to_keep", None)
+    return {"logits_to_keep": 1} if callable(supports) and supports() else {}
 
 
 def _fusion(model: Any, kernels: str) -> Fusion | None:

@@ -18,8 +18,10 @@ two logits nearly tie. Parity of graphs is unaffected: graph and eager run the s
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -41,14 +43,10 @@ class FusedRMSNorm(nn.Module):
     original: Any  # the transformers module: its weight, and its forward as the fallback
 
     def __init__(self, original: nn.Module, eps: float):
-        # NOTE: the kernels are imported when a module is swapped, not by this file: Triton
-        # is not there on every machine that imports graphguard.hf
-        from graphguard.kernels.triton_norm import rms_norm
-
         super().__init__()
         self.original = original
         self.eps = eps
-        self.rms_norm = rms_norm
+        self.rms_norm = kernel_ops().rms_norm
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.original.weight
@@ -65,11 +63,9 @@ class FusedSwiGLU(nn.Module):
     original: Any  # the transformers MLP: gate_proj, up_proj, down_proj
 
     def __init__(self, original: nn.Module):
-        from graphguard.kernels.triton_mlp import silu_mul_pair
-
         super().__init__()
         self.original = original
-        self.silu_mul_pair = silu_mul_pair
+        self.silu_mul_pair = kernel_ops().silu_mul_pair
 
     def forward(self, x: Tensor) -> Tensor:
         mlp = self.original
@@ -90,12 +86,10 @@ class FusedAttention(nn.Module):
     def __init__(self, original: nn.Module, qk_norm: QKNorm | None):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from graphguard.kernels.triton_rope import rope_pair
-
         super().__init__()
         self.original = original
         self.qk_norm = qk_norm  # the norms' weights (read in place) and eps
-        self.rope_pair = rope_pair
+        self.rope_pair = kernel_ops().rope_pair
         self.attention_functions = ALL_ATTENTION_FUNCTIONS  # by attn_implementation, at call
 
     def forward(
@@ -126,6 +120,42 @@ class FusedAttention(nn.Module):
         out, weights = attend(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling,
                               **kwargs)  # fmt: skip
         return attn.o_proj(out.reshape(batch, length, -1).contiguous()), weights
+
+
+@functools.cache
+def kernel_ops() -> SimpleNamespace:
+    """The fused kernels as PyTorch operators (`graphguard::rms_norm`, `silu_mul_pair`,
+    `rope_pair`), registered on first use: the dispatcher sees each launch, so a capture's
+    record run sees what it writes and the CPU stand-in records it like any op.
+
+    NOTE: the kernels are imported here, not by this file: Triton is not there on every machine
+    that imports graphguard.hf."""
+    from graphguard.kernels import triton_mlp, triton_norm, triton_rope
+
+    @torch.library.custom_op("graphguard::rms_norm", mutates_args=())
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return triton_norm.rms_norm(x, weight, eps)
+
+    @torch.library.custom_op("graphguard::silu_mul_pair", mutates_args=())
+    def silu_mul_pair(gate: Tensor, up: Tensor) -> Tensor:
+        return triton_mlp.silu_mul_pair(gate, up)
+
+    @torch.library.custom_op("graphguard::rope_pair", mutates_args=())
+    def rope_normed(
+        q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+        k_weight: Tensor | None, eps: float,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        norm = None if q_weight is None or k_weight is None else QKNorm(q_weight, k_weight, eps)
+        return triton_rope.rope_pair(q, k, cos, sin, norm)
+
+    def rope_pair(
+        q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, norm: QKNorm | None
+    ) -> tuple[Tensor, Tensor]:
+        if norm is None:
+            return rope_normed(q, k, cos, sin, None, None, 0.0)
+        return rope_normed(q, k, cos, sin, norm.q_weight, norm.k_weight, norm.eps)
+
+    return SimpleNamespace(rms_norm=rms_norm, silu_mul_pair=silu_mul_pair, rope_pair=rope_pair)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from graphguard.core.admission import AdmissionConfig
@@ -97,6 +98,57 @@ def check_segmentable(base: Any, cache: Any) -> None:
     for layer in cache.layers:
         if not isinstance(layer, StaticLayer) or layer.is_sliding:
             raise ValueError("segmented decode steps need a StaticCache of full-attention layers")
+
+
+def step_inputs(
+    base: Any, ids: Tensor, position: Tensor, adapters: Hashable, cache: Any, mask: Any = None
+) -> tuple[Carry, StepContext]:
+    """A segmented step's input carry and context: the embedding, and the mask as the model
+    builds it where none is given."""
+    from transformers.masking_utils import create_causal_mask
+
+    decoder = base.model
+    hidden = decoder.embed_tokens(ids)
+    position_ids = position.view(1, 1)
+    if mask is None:
+        mask = create_causal_mask(
+            config=decoder.config, inputs_embeds=hidden, attention_mask=None,
+            past_key_values=cache, position_ids=position_ids,
+        )  # fmt: skip
+    context = StepContext(mask, position_ids, position.view(()), adapters, cache)
+    return (hidden, position_ids), context
+
+
+@torch.no_grad()
+def check_same_step(base: Any, stages: list[Stage]) -> None:
+    """ValueError unless a decode step cut into `stages` and run eagerly gives the model's own
+    logits: the cut follows a Llama-style decoder layer (norm, attention, residual, norm, MLP,
+    residual), which other families change (post-norms, multipliers, soft-capping). Probed on
+    two small caches prefilled alike, one for the model's own step, one for the stages'."""
+    from transformers import StaticCache
+
+    device = base.lm_head.weight.device
+    ids = torch.arange(5, device=device).remainder(base.config.vocab_size)[None]
+    caches = [StaticCache(config=base.config, max_cache_len=8) for _ in range(2)]
+    layer = type(base.model.layers[0]).__name__
+    try:
+        for cache in caches:
+            base(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        token, position = ids[:, 4:], torch.tensor([4], device=device)
+        expected = base(input_ids=token, past_key_values=caches[0], use_cache=True).logits[:, -1]
+        carry, context = step_inputs(base, token, position, None, caches[1])
+        for stage in stages:
+            carry = stage.fn(context, *carry) if stage.eager else stage.fn(*carry)
+    except Exception as exc:  # noqa: BLE001 - a layer the cut does not fit is refused
+        raise ValueError(
+            f"{layer} cannot be cut into segments: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not torch.allclose(carry[0].float(), expected.float(), rtol=1e-3, atol=1e-3):
+        error = float((carry[0].float() - expected.float()).abs().max())
+        raise ValueError(
+            f"{layer} is not cut like a Llama decoder layer: the segmented step's logits "
+            f"differ from the model's (max |diff| {error:.3g})"
+        )
 
 
 def decoder_stages(base: Any) -> list[Stage]:
@@ -190,11 +242,13 @@ class DecoderSegments:
             raise ValueError("DecoderSegments runs the segmented and auto modes")
         self.base = base_model(model)
         check_segmentable(self.base, cache_of())
+        stages = decoder_stages(self.base)
+        check_same_step(self.base, stages)
         self.cache_of = cache_of
         self.mode = mode
         self.whole = whole
         self.runner = SegmentedRunner(
-            decoder_stages(self.base),
+            stages,
             max_bytes=max_bytes,
             verify=verify,
             admission=admission,
@@ -206,37 +260,36 @@ class DecoderSegments:
             context_key=_adapters,
         )
 
-    def __call__(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
-        """Logits [B, vocab] of one token per row at `position` (a [1] tensor)."""
-        if self.mode is DecodeMode.AUTO and not self.is_refused(ids, position, adapters):
-            return self.whole(ids, position, adapters)
-        return self.step(ids, position, adapters)
+    def __call__(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        adapters: Hashable,
+        mask_names: tuple[str, ...] | None,
+        *masks: Tensor | None,
+    ) -> Tensor:
+        """Logits [B, vocab] of one token per row at `positions` [B, 1] (one position for
+        every row), under the step's attention mask: GraphedCausalLM's decode step."""
+        if self.mode is DecodeMode.AUTO and not self.is_refused(
+            ids, positions, adapters, mask_names, *masks
+        ):
+            return self.whole(ids, positions, adapters, mask_names, *masks)
+        # NOTE: the segments cut full-attention layers only (check_segmentable): their mask
+        mask = masks[0] if mask_names is None else masks[mask_names.index("full_attention")]
+        return self.step(ids, positions[:1, 0], adapters, mask)
 
-    def is_refused(self, ids: Tensor, position: Tensor, adapters: Hashable) -> bool:
+    def is_refused(self, *args: Any) -> bool:
         """Whether the whole step's key of this call was refused for a reason segments avoid."""
-        plan = self.whole.plan((ids, position, adapters))
+        plan = self.whole.plan(args)
         if isinstance(plan, FallbackReason):
             return False
         return self.whole.policy.refusals.get(plan.key) in SEGMENTS_AVOID
 
-    def step(self, ids: Tensor, position: Tensor, adapters: Hashable) -> Tensor:
-        """The segmented step: the embedding and the mask eagerly, as the model builds them,
-        then the pipeline."""
-        from transformers.masking_utils import create_causal_mask
-
-        decoder = self.base.model
-        hidden = decoder.embed_tokens(ids)
-        position_ids = position.view(1, 1)
-        cache = self.cache_of()
-        mask = create_causal_mask(
-            config=decoder.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            past_key_values=cache,
-            position_ids=position_ids,
-        )
-        context = StepContext(mask, position_ids, position.view(()), adapters, cache)
-        (logits,) = self.runner((hidden, position_ids), context)
+    def step(self, ids: Tensor, position: Tensor, adapters: Hashable, mask: Any = None) -> Tensor:
+        """The segmented step at `position` (a [1] tensor): the embedding (and the mask, where
+        none is given, as the model builds it) eagerly, then the pipeline."""
+        inputs, context = step_inputs(self.base, ids, position, adapters, self.cache_of(), mask)
+        (logits,) = self.runner(inputs, context)
         return logits
 
     def close(self) -> None:

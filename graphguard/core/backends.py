@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
+
+from graphguard.core.holes import HoleCall, SplitGraph, taking_holes
 
 log = logging.getLogger("graphguard")
 
@@ -39,7 +41,13 @@ class Backend(Protocol):
         self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
     ) -> None: ...
     def capture(
-        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        *,
+        pool: Any,
+        stream: Any,
+        holes: Sequence[HoleCall] = (),
     ) -> tuple[Any, Any]: ...
     def current_stream(self) -> Any: ...
     def record(self, event: Any, stream: Any) -> None: ...
@@ -151,9 +159,16 @@ class CudaBackend:
                 _clear_blas_workspaces()
 
     def capture(
-        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        *,
+        pool: Any,
+        stream: Any,
+        holes: Sequence[HoleCall] = (),
     ) -> tuple[Any, Any]:
-        """Capture `fn(*args)` on `stream` into `pool` (the warm-ups ran before, warm_up)."""
+        """Capture `fn(*args)` on `stream` into `pool` (the warm-ups ran before, warm_up), one
+        graph, or one per stretch between the record run's `holes` (graphguard/core/holes.py)."""
         caller = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_stream(caller)
@@ -164,37 +179,54 @@ class CudaBackend:
             # inside cuBLAS meanwhile (the engine captures on its step thread, between steps).
             _clear_blas_workspaces()
             try:
-                graph, outputs = self._capture_on(fn, args, pool, stream)
+                graph, outputs = self._capture_on(fn, args, pool, stream, holes)
             finally:
                 _clear_blas_workspaces()
         caller.wait_stream(stream)
         return graph, outputs
 
     def _capture_on(
-        self, fn: Callable[..., Any], args: list[Any], pool_id: Any, stream: Any
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        pool_id: Any,
+        stream: Any,
+        holes: Sequence[HoleCall],
     ) -> tuple[Any, Any]:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        split = _Split(pool_id, holes)
         # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
         # __enter__ synchronizes the whole device and empties the allocator cache.
-        graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        split.begin()
         try:
-            outputs = fn(*args)
+            with taking_holes(split if holes else None):
+                outputs = fn(*args)
+            if len(split.calls) != len(holes):
+                raise CaptureError(
+                    f"the capture made {len(split.calls)} hole calls, the record run {len(holes)}"
+                )
         except BaseException as exc:
-            self._end_failed_capture(graph, pool_id, stream)
+            self._end_failed_capture(split.graphs[-1], pool_id, stream)
+            split.reset()
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends stay what they are, after cleanup
+            if isinstance(exc, CaptureError):
+                raise
             raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
         try:
-            graph.capture_end()
+            split.graphs[-1].capture_end()
         except RuntimeError as exc:
-            self._repair_after_failed_end(graph, pool_id, stream)
+            self._repair_after_failed_end(split.graphs[-1], pool_id, stream)
+            split.reset()
             raise CaptureError(str(exc)) from exc
         try:
-            graph.instantiate()
+            for graph in split.graphs:
+                graph.instantiate()
         except RuntimeError as exc:
-            graph.reset()
+            split.reset()
             raise CaptureError(str(exc)) from exc
-        return graph, outputs
+        if not holes:
+            return split.graphs[0], outputs
+        return SplitGraph(split.graphs, split.calls), outputs
 
     def _end_failed_capture(self, graph: Any, pool_id: Any, stream: Any) -> None:
         """End a capture whose function raised: no stream is left capturing."""
@@ -262,6 +294,47 @@ class CudaBackend:
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory()
+
+
+class _Split:
+    """A capture split at the step's holes: the graph being captured ends where a hole is
+    called, the call is kept, and the next graph begins in the same pool.
+
+    NOTE: a capture runs nothing, so a hole is not called here: what it returns is what it
+    returned in the record run (`holes`), the same tensor where it returned one that existed
+    before the step, an empty one of the same shape where it made one (each replay copies its
+    result in)."""
+
+    def __init__(self, pool_id: Any, holes: Sequence[HoleCall]) -> None:
+        self.pool_id = pool_id
+        self.holes = holes
+        self.graphs: list[Any] = []
+        self.calls: list[HoleCall] = []
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph.capture_begin(pool=self.pool_id, capture_error_mode="thread_local")
+        self.graphs.append(graph)
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        index = len(self.calls)
+        if index >= len(self.holes):
+            raise CaptureError(f"the capture made more hole calls than the record run's {index}")
+        logged = self.holes[index]
+        self.graphs[-1].capture_end()
+        results = [
+            torch.empty_like(r) if made else r
+            for r, made in zip(logged.results, logged.made, strict=True)
+        ]
+        self.calls.append(HoleCall(fn, args, kwargs, results, logged.made, logged.spec))
+        _clear_blas_workspaces()  # the next graph's workspace in its pool, as for the first
+        self.begin()
+        return self.calls[-1].returned()
+
+    def reset(self) -> None:
+        """Drop every graph ended so far (the last, if still capturing, is the caller's)."""
+        for graph in self.graphs[:-1]:
+            graph.reset()
 
 
 def _clear_blas_workspaces() -> None:

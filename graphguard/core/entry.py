@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from graphguard.core.backends import Backend
+from graphguard.core.holes import HoleCall
 from graphguard.core.keys import GraphKey
 
 _OPAQUE = (type, str, bytes, int, float, types.ModuleType)
@@ -160,13 +161,16 @@ class GraphEntry:
         self.backend.warm_up(fn, self.static_args, pool=self.pool, stream=self.stream)
         self.capture_ms += (time.perf_counter() - started) * 1e3
 
-    def capture(self, fn: Callable[..., Any], static_args: list[Any]) -> None:
-        """Capture `fn(*static_args)` (after the warm-ups); raises CaptureError (and leaves the
-        entry to retire). `capture_ms` is the warm-ups' time and the capture's."""
+    def capture(
+        self, fn: Callable[..., Any], static_args: list[Any], holes: Sequence[HoleCall] = ()
+    ) -> None:
+        """Capture `fn(*static_args)` (after the warm-ups), split at its `holes` (the record
+        run's: graphguard/core/holes.py); raises CaptureError (and leaves the entry to retire).
+        `capture_ms` is the warm-ups' time and the capture's."""
         self.static_args = static_args
         started = time.perf_counter()
         self.graph, self.static_outputs = self.backend.capture(
-            fn, static_args, pool=self.pool, stream=self.stream
+            fn, static_args, pool=self.pool, stream=self.stream, holes=holes
         )
         self.capture_ms += (time.perf_counter() - started) * 1e3
         # NOTE: static inputs, warm-up blocks and the BLAS workspace all live in the pool, so

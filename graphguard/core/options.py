@@ -35,6 +35,9 @@ class CaptureConfig:
             state, graphguard/core/state.py) to put it back; more: `state_too_large`.
         state: the tensors the step may write in place, when declared; a write outside them
             refuses capture (`undeclared_state`). Default: found by watching the step.
+        unwatched: objects the step reaches whose Python-side values are not its state (a
+            clock, a stats counter): a capture never walks them (graphguard/core/pystate.py),
+            so their changes neither refuse a capture nor are put back.
     """
 
     background: bool = False
@@ -48,6 +51,7 @@ class CaptureConfig:
     enabled: bool = True
     max_state_bytes: int = 1 << 30
     state: Sequence[Any] | None = None
+    unwatched: Sequence[Any] = ()
 
     def owners_apart(self) -> tuple[list[Any], CaptureConfig]:
         """The owners to retain, and these options without them.
@@ -60,6 +64,7 @@ class CaptureConfig:
         if self.max_pad_factor < 1:
             raise ValueError(f"max_pad_factor must be >= 1, got {self.max_pad_factor}")
         object.__setattr__(self, "retain", tuple(self.retain))
+        object.__setattr__(self, "unwatched", tuple(self.unwatched))
         if self.state is not None:
             object.__setattr__(self, "state", tuple(self.state))
         if self.max_state_bytes < 0:

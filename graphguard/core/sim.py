@@ -1,114 +1,31 @@
 """SimBackend: the CPU stand-in that lets CI exercise every lifecycle rule.
 
 "Capture" runs the function under a dispatch mode that rejects the host-synchronizing ops a
-real capture rejects, "replay" re-runs it into the same static output tensors (so aliasing and
-overwrite-on-next-replay behave as on CUDA), and resident bytes are computed deterministically.
-It keeps CudaBackend's contracts; it is not a performance path.
+real capture rejects and records the ops it runs; "replay" runs that recording again, not the
+function's Python, as a CUDA graph replays its kernels, into the same static output tensors (so
+aliasing and overwrite-on-next-replay behave as on CUDA): graphguard/core/recording.py. With
+`replay="rerun"` a replay re-runs the function instead (for steps the dispatcher does not see
+whole). Resident bytes are computed deterministically. It keeps CudaBackend's contracts; it is
+not a performance path.
 """
 
 from __future__ import annotations
 
 import itertools
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from graphguard.core.backends import CaptureError
+from graphguard.core.holes import HoleCall, taking_holes
+from graphguard.core.recording import Recorder, RejectHostSync, RerunGraph
 
 # Segments of a CUDA private pool come in 2 MiB steps for small allocations; the simulation
 # rounds the same way, so a 1 MiB budget admits nothing on either backend.
 SIM_SEGMENT_BYTES = 2 << 20
-
-
-# Ops that synchronize with the host, so a CUDA stream capture rejects them.
-_HOST_SYNC_OPS = {
-    "aten::_local_scalar_dense",
-    "aten::nonzero",
-    "aten::masked_select",
-    "aten::unique_dim",
-    "aten::_unique",
-    "aten::_unique2",
-    "aten::unique_consecutive",
-    "aten::equal",
-    "aten::is_nonzero",
-    "aten::allclose",
-}
-
-
-class _RejectHostSync(TorchDispatchMode):
-    """Rejects host syncs like a capturing CUDA stream, and tracks the peak of live bytes.
-
-    A CUDA graph's private pool reuses blocks freed during capture, so its size follows the
-    peak of memory alive at once, not the sum of every allocation; the simulation follows it
-    the same way (storages that an op's output shares with its inputs are views, not new).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.live_bytes = 0
-        self.peak_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name in _HOST_SYNC_OPS or (name == "aten::repeat_interleave" and not kwargs):
-            raise RuntimeError(
-                f"operation not permitted when stream is capturing ({name} synchronizes with "
-                "the host)"
-            )
-        out = func(*args, **(kwargs or {}))
-        inputs = {_storage_ptr(t) for t in tree_flatten((args, kwargs))[0] if _is_tensor(t)}
-        for t in tree_flatten(out)[0]:
-            if _is_tensor(t) and _storage_ptr(t) not in inputs:
-                self._track(t)
-        return out
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        ptr = _storage_ptr(tensor)
-        if ptr in self.live:
-            return
-        nbytes = tensor.untyped_storage().nbytes()
-        self.live[ptr] = nbytes
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(tensor, self._release, ptr)
-
-    def _release(self, ptr: int) -> None:
-        self.live_bytes -= self.live.pop(ptr, 0)
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _storage_ptr(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
-class SimGraph:
-    """A simulated graph: replay re-runs the function and writes the static outputs in place."""
-
-    def __init__(self, fn: Callable[..., Any], args: list[Any], outputs: Any):
-        self.fn: Callable[..., Any] | None = fn
-        self.args: list[Any] | None = args
-        self.outputs = outputs
-
-    def replay(self) -> None:
-        if self.fn is None or self.args is None:
-            raise RuntimeError("replay of a SimGraph after reset")
-        with torch.no_grad():
-            fresh = self.fn(*self.args)
-        for static, new in zip(tree_flatten(self.outputs)[0], tree_flatten(fresh)[0], strict=True):
-            static.copy_(new)
-
-    def reset(self) -> None:
-        self.fn = self.args = None
-        self.outputs = None
 
 
 class SimEvent:
@@ -150,8 +67,15 @@ class SimBackend:
     name = "sim"
 
     def __init__(
-        self, segment_bytes: int = SIM_SEGMENT_BYTES, workspace_bytes: int = 0, num_warmup: int = 0
+        self,
+        segment_bytes: int = SIM_SEGMENT_BYTES,
+        workspace_bytes: int = 0,
+        num_warmup: int = 0,
+        replay: str = "record",
     ):
+        if replay not in ("record", "rerun"):
+            raise ValueError(f"replay must be 'record' or 'rerun', got {replay!r}")
+        self.replay = replay  # "record": the ops captured; "rerun": the step's Python again
         self.device = torch.device("cpu")
         self.segment_bytes = segment_bytes
         self.workspace_bytes = workspace_bytes
@@ -210,25 +134,36 @@ class SimBackend:
         self.num_warmups += 1
 
     def capture(
-        self, fn: Callable[..., Any], args: list[Any], *, pool: Any, stream: Any
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        *,
+        pool: Any,
+        stream: Any,
+        holes: Sequence[HoleCall] = (),
     ) -> tuple[Any, Any]:
+        """Run `fn` once, recorded (its holes run as they come) or kept to re-run (its holes
+        re-run with it); `holes`, the record run's, are for a backend that cannot run them."""
+        del holes
         if stream not in self.live_streams:
             raise RuntimeError(f"capture on {stream!r}, which is not live")
-        mode = _RejectHostSync()
+        recorder = Recorder() if self.replay == "record" else None
+        mode = recorder or RejectHostSync()
         try:
-            with torch.no_grad(), mode:
+            with torch.no_grad(), mode, taking_holes(recorder):
                 outputs = fn(*args)
         except Exception as exc:
             raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+        graph = RerunGraph(fn, args) if recorder is None else recorder.graph(outputs)
         # NOTE: a real capture computes nothing: poison the outputs so that only a replay fills
         # them, exactly as on CUDA.
         outputs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
-        for t in tree_flatten(outputs)[0]:
-            if isinstance(t, torch.Tensor):
-                t.fill_(float("nan") if t.is_floating_point() else -1)
+        graph.static_outputs = [t for t in tree_flatten(outputs)[0] if _is_tensor(t)]
+        for t in graph.static_outputs:
+            t.fill_(float("nan") if t.is_floating_point() else -1)
         self._charge(pool[1], _tensor_bytes(args), mode.peak_bytes, _tensor_bytes(outputs))
         self.num_captures += 1
-        return SimGraph(fn, args, outputs), outputs
+        return graph, outputs
 
     def _charge(self, pool: int, static_bytes: int, peak_bytes: int, output_bytes: int) -> None:
         """Grow the pool as the CUDA allocator would: static inputs and outputs stay live, the
@@ -263,6 +198,10 @@ class SimBackend:
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _tensor_bytes(values: Any) -> int:

@@ -71,7 +71,7 @@ class SingleGraphs:
         self.verify = verify
         self.owners, self.options = options.owners_apart()
         declared = None if options.state is None else tuple(options.state)
-        self._state = StateOptions(options.max_state_bytes, declared)
+        self._state = StateOptions(options.max_state_bytes, declared, tuple(options.unwatched))
         self._device = backend.device if backend is not None else torch.device("cpu")
         # NOTE: planning a call is the largest host cost of a replay; a plan depends only on
         # the call's signature and the runner's fixed settings, so it is remembered (bounded).
@@ -130,7 +130,7 @@ class SingleGraphs:
         try:
             if self.verify.mode == "spread":
                 entry.eager_spread = self._spread(entry, recorded)
-            yield from self._warm_and_capture(entry, static_args, state)
+            yield from self._warm_and_capture(entry, static_args, recorded)
             yield
             outputs = entry.replay()
             state.written()
@@ -138,12 +138,16 @@ class SingleGraphs:
             return Verdict.rejected(CaptureOutcome.FAILED, exc)
         finally:
             entry.transient_bytes = 0
+        python_error = self._python_error(entry, recorded)
+        if python_error is not None:
+            state.undo()
+            return Verdict.refused(StateRefused(FallbackReason.PYTHON_STATE, python_error))
         error = self._check(entry, outputs, recorded, state)
         if error is not None:
             state.undo()
             return Verdict.rejected(CaptureOutcome.PARITY_MISMATCH, error)
         entry.verified = self.verify.mode  # the check it passed: "off" when none ran
-        return Verdict(outputs, state=state if state.writes else None)
+        return Verdict(outputs, state=None if state.is_empty else state)
 
     def _record(self, entry: GraphEntry) -> Recorded:
         """The record run, as a warm-up: on the entry's stream, allocating in its pool (its
@@ -158,19 +162,28 @@ class SingleGraphs:
         return found[0]
 
     def _warm_and_capture(
-        self, entry: GraphEntry, static_args: list[Any], state: StepState
+        self, entry: GraphEntry, static_args: list[Any], recorded: Recorded
     ) -> CaptureUnits:
-        """The warm-ups, each undone, then the capture (which runs nothing)."""
+        """The warm-ups, each undone, then the capture (which runs nothing but the holes)."""
+        state = recorded.state
         for _ in range(entry.backend.num_warmup):
             entry.warm_up(self.fn)
             state.written()
             state.undo()
             yield
-        entry.capture(self.fn, static_args)
+        entry.capture(self.fn, static_args, recorded.holes.calls)
         # NOTE: a CUDA capture runs nothing; the simulation's runs the step once: undone too
         state.written()
         state.undo()
         return Verdict()
+
+    def _python_error(self, entry: GraphEntry, recorded: Recorded) -> str | None:
+        """Whether the first replay left the Python-side values as the record run did (only a
+        step with holes, or Python-side changes, can differ: one without either changed
+        nothing, and one with changes but no holes was refused after its record run)."""
+        if not recorded.state.python and not recorded.holes.calls:
+            return None
+        return recorded.python_error((self.fn, *entry.static_args), self._state.unwatched)
 
     def _check(
         self, entry: GraphEntry, outputs: Any, recorded: Recorded, state: StepState
@@ -227,6 +240,9 @@ class SingleGraphs:
         outputs = entry.replay()
         recorded.state.written()
         error = self._check(entry, outputs, recorded, recorded.state)
+        python_error = self._python_error(entry, recorded)
+        if error is None and python_error is not None:
+            error = ParityError(python_error)
         if error is not None:
             # the replay's writes stand in for eager's; the answer is eager's
             eager = tree_map(lambda t: t.to(self._device) if isinstance(t, Tensor) else t,

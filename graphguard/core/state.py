@@ -37,6 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from graphguard.core.holes import HoleLog, taking_holes
+from graphguard.core.pystate import PyChanges, PyState
 from graphguard.core.reasons import FallbackReason
 
 _INDEX_COPY = torch.ops.aten.index_copy_.default
@@ -54,11 +56,13 @@ class StateRefused(Exception):
 
 @dataclass
 class StateOptions:
-    """How a capture treats the step's state: the bytes it may save, and, when declared, the
-    tensors it may write (a write outside them is refused)."""
+    """How a capture treats the step's state: the bytes it may save, when declared the tensors
+    it may write (a write outside them is refused), and the objects whose Python-side values
+    are not its state (never walked: graphguard/core/pystate.py)."""
 
     max_state_bytes: int = 1 << 30
     declared: tuple[torch.Tensor, ...] | None = None
+    unwatched: tuple[Any, ...] = ()
 
 
 class _Write:
@@ -96,10 +100,11 @@ class _Write:
 
 @dataclass
 class StepState:
-    """The regions one execution of a step writes, and whether the state now holds that
-    execution's writes (`is_written`)."""
+    """The regions one execution of a step writes, the Python-side values it changes, and
+    whether the state now holds that execution's changes (`is_written`)."""
 
     writes: list[_Write] = field(default_factory=list)
+    python: PyChanges = field(default_factory=PyChanges)
     is_written: bool = True
 
     @property
@@ -107,11 +112,17 @@ class StepState:
         """Bytes of saved regions (transient device memory while a capture runs)."""
         return sum(write.num_bytes for write in self.writes)
 
+    @property
+    def is_empty(self) -> bool:
+        return not self.writes and not self.python
+
     def undo(self) -> None:
-        """Put back what the step's execution wrote (idempotent until it writes again)."""
+        """Put back what the step's execution wrote and changed (idempotent until it runs
+        again)."""
         if self.is_written:
             for write in reversed(self.writes):
                 write.undo()
+            self.python.undo()
             self.is_written = False
 
     def written(self) -> None:
@@ -126,12 +137,25 @@ class StepState:
 
 @dataclass
 class Recorded:
-    """The record run: its outputs, the state it wrote, and the regions after it (copies, on
-    the host)."""
+    """The record run: its outputs, the state it wrote, the regions after it (copies, on the
+    host), the Python-side values as it found them, and its holes (graphguard/core/holes.py)."""
 
     outputs: Any
     state: StepState
     after: list[torch.Tensor]
+    python_before: PyState
+    holes: HoleLog
+
+    def python_error(self, roots: Sequence[Any], unwatched: Sequence[Any]) -> str | None:
+        """Why the Python-side values now differ from what the record run left, if they do
+        (checked after a replay, whose holes must change them as eager did)."""
+        now = self.python_before.changes(PyState.of(roots, unwatched))
+        if now.same_as(self.state.python):
+            return None
+        return (
+            f"a replay leaves the Python-side values as {now.describe() or 'they were'}, "
+            f"eager as {self.state.python.describe()}"
+        )
 
 
 class _Watch(TorchDispatchMode):
@@ -155,6 +179,10 @@ class _Watch(TorchDispatchMode):
         self.created: set[int] = set()  # storages the step allocated
         self.made: list[weakref.ref[torch.Tensor]] = []  # tensors the step allocated
         self.state = StepState()
+
+    def is_made(self, tensor: torch.Tensor) -> bool:
+        """Whether the step allocated `tensor`'s storage (it did not exist before)."""
+        return _storage(tensor) in self.created
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -220,9 +248,12 @@ def watch_step(
     """Run `fn(*args)` once eagerly, finding its state (see module docstring). Raises
     StateRefused with the state undone for what cannot be put back, or, for Python-side state
     (found after the run), with the run's outputs as `outputs` of the exception."""
+    roots = (fn, *args)
+    python_before = PyState.of(roots, options.unwatched)
     watch = _Watch(device, args, options)
+    holes = HoleLog(watch.is_made)
     try:
-        with torch.no_grad(), watch:
+        with torch.no_grad(), watch, taking_holes(holes):
             raw = fn(*args)
     except BaseException:  # a refusal (raised before its write) or the step's own error
         watch.state.undo()
@@ -231,23 +262,32 @@ def watch_step(
     # held on the device through the warm-ups and the capture, they would add their bytes to
     # the device's peak while the graph's pool grows.
     keep = [w.target for w in watch.state.writes] + [w.index for w in watch.state.writes]
+    keep += tree_flatten([(c.args, c.kwargs, c.results) for c in holes.calls])[0]
     kept = watch.kept(raw, [k for k in keep if _is_tensor(k)])
     if kept:
-        raise PythonState(len(kept), raw)
+        raise PythonState(
+            f"the step kept {len(kept)} tensors it created (state held in Python objects, "
+            "such as a cache that grows by concatenation)",
+            raw,
+        )
+    watch.state.python = python_before.changes(PyState.of(roots, options.unwatched))
+    if watch.state.python and not holes.calls:
+        raise PythonState(
+            f"the step changes Python-side values a replay would not: "
+            f"{watch.state.python.describe()}",
+            raw,
+        )
     outputs = tree_map(lambda t: t.detach().to("cpu", copy=True) if _is_tensor(t) else t, raw)
-    return Recorded(outputs, watch.state, watch.state.regions("cpu"))
+    return Recorded(outputs, watch.state, watch.state.regions("cpu"), python_before, holes)
 
 
 class PythonState(StateRefused):
-    """The step kept tensors it created: state in Python objects, which cannot be put back.
-    The record run stands as the call's execution: `outputs` answer it."""
+    """The step keeps state in Python objects, which a replay would not change: tensors it
+    created and kept (a cache grown by concatenation), or plain values it changed outside a
+    hole (a counter). The record run stands as the call's execution: `outputs` answer it."""
 
-    def __init__(self, num_kept: int, outputs: Any) -> None:
-        super().__init__(
-            FallbackReason.PYTHON_STATE,
-            f"the step kept {num_kept} tensors it created (state held in Python objects, "
-            "such as a cache that grows by concatenation)",
-        )
+    def __init__(self, detail: str, outputs: Any) -> None:
+        super().__init__(FallbackReason.PYTHON_STATE, detail)
         self.outputs = outputs
 
 

@@ -69,7 +69,7 @@ def test_a_segmented_step_gives_the_models_own_logits_and_cache(family):
         token = ids[:, -1:]
         for position in range(8, 14):
             expected = model(input_ids=token, past_key_values=theirs).logits[:, -1, :]
-            got = graphed.segments(token, torch.tensor([position]), None)
+            got = graphed.segments.step(token, torch.tensor([position]), None)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             token = expected.argmax(-1, keepdim=True)
     assert graphed.segments.runner.stats()["replays"] == 6

@@ -7,6 +7,7 @@ from graphguard.core.admission import AdmissionConfig, AdmissionPolicy
 from graphguard.core.keys import GraphKey
 from graphguard.core.sketch import FrequencySketch
 from tests.unit.core.conftest import SEG, inputs
+from tests.unit.core.stand_ins import kernel
 
 
 def width_inputs(width: int):
@@ -31,9 +32,10 @@ def test_one_off_shapes_run_eagerly_with_the_default_policy(clock):
 
 
 def test_capture_work_stays_under_its_share_of_the_window(make_runner, clock):
+    slow = kernel(lambda x: clock.advance(1.0))  # every run "takes" a second of the clock
+
     def slow_capture_step(x, p):
-        clock.advance(1.0)  # every run of the step "takes" one second of the fake clock
-        return x + p
+        return slow(x) + p
 
     config = AdmissionConfig(min_hits=1, capture_window_s=60.0, max_capture_fraction=0.1)
     runner = make_runner(slow_capture_step, admission=config)

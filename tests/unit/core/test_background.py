@@ -12,6 +12,7 @@ import graphguard as gg
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from tests.unit.core.conftest import SEG, inputs, mlp_step
+from tests.unit.core.stand_ins import kernel
 
 BUCKETS = gg.Buckets(batch=[2, 4], pad_value=0)
 EAGER_FIRST = gg.AdmissionConfig(min_hits=1, frequency_aware=False, max_capture_fraction=1.0)
@@ -236,9 +237,10 @@ def test_a_background_capture_that_differs_from_eager_is_rejected(make_bg):
 
 
 def test_units_of_a_capture_in_flight_count_toward_the_capture_time_budget(make_bg, clock):
+    second = kernel(lambda x: clock.advance(1.0))  # every run takes a second
+
     def slow(x: torch.Tensor) -> torch.Tensor:
-        clock.advance(1.0)  # every run of the function takes a second
-        return x * 2
+        return second(x) * 2
 
     runner = make_bg(slow)
     runner(torch.ones(2))  # its eager answer's second is not capture work
@@ -248,9 +250,10 @@ def test_units_of_a_capture_in_flight_count_toward_the_capture_time_budget(make_
 
 
 def test_work_of_a_rejected_capture_counts_toward_the_capture_time_budget(make_bg, clock):
+    second = kernel(lambda x: clock.advance(1.0))
+
     def slow_sync(x: torch.Tensor) -> torch.Tensor:
-        clock.advance(1.0)
-        return x * float(x.sum())
+        return second(x) * float(x.sum())
 
     runner = make_bg(slow_sync)
     runner(torch.ones(2))
@@ -260,9 +263,10 @@ def test_work_of_a_rejected_capture_counts_toward_the_capture_time_budget(make_b
 
 
 def test_a_spent_capture_budget_defers_the_next_background_capture(make_bg, clock):
+    two_seconds = kernel(lambda x: clock.advance(2.0))
+
     def slow(x: torch.Tensor) -> torch.Tensor:
-        clock.advance(2.0)
-        return x * 2
+        return two_seconds(x) * 2
 
     budget = gg.AdmissionConfig(min_hits=1, capture_window_s=60, max_capture_fraction=0.05)
     runner = make_bg(slow, admission=budget)

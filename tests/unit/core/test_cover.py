@@ -14,6 +14,7 @@ from graphguard.core.keys import pad_ladder
 from graphguard.core.reasons import FallbackReason
 from graphguard.core.sim import SimBackend
 from tests.unit.core.conftest import inputs, mlp_step
+from tests.unit.core.stand_ins import kernel
 from tests.unit.core.test_background import EAGER_FIRST, assert_same, drain
 
 BUCKETS = gg.Buckets(batch=[2, 4, 8, 16], pad_value=-3.0)
@@ -38,10 +39,10 @@ def make_covering(make_runner, backend):
 
 def test_a_call_without_its_graph_replays_a_larger_admitted_bucket(make_covering):
     rows_run: list[int] = []
+    log_rows = kernel(lambda x: rows_run.append(x.shape[0]))  # a replay runs the graph's rows
 
     def step(x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows_run.append(x.shape[0])  # the simulated replay runs the graph's 8 rows
-        return mlp_step(x, pos)
+        return mlp_step(log_rows(x), pos)
 
     runner = make_covering(fn=step)
     rows_run.clear()

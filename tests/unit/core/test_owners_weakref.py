@@ -32,8 +32,8 @@ class Owner:
 class InstantiateFails(SimBackend):
     """A backend whose capture records the graph and then fails to instantiate it."""
 
-    def capture(self, fn, args, *, pool, stream):
-        super().capture(fn, args, pool=pool, stream=stream)
+    def capture(self, fn, args, *, pool, stream, holes=()):
+        super().capture(fn, args, pool=pool, stream=stream, holes=holes)
         raise CaptureError("cudaErrorInvalidValue during instantiate")
 
 

@@ -7,6 +7,7 @@ from graphguard.core.admission import AdmissionConfig, AdmissionPolicy
 from graphguard.core.keys import GraphKey
 from graphguard.core.reasons import FallbackReason
 from tests.unit.core.conftest import inputs
+from tests.unit.core.stand_ins import kernel
 
 DEFERRED = FallbackReason.ADMISSION_DEFERRED
 
@@ -93,9 +94,10 @@ def test_negative_payback_is_refused():
 
 
 def test_a_runner_prices_its_captures_and_times_its_eager_calls(make_runner, clock):
+    slow = kernel(lambda x: clock.advance(1.0))  # every run "takes" a second of the clock
+
     def step(x, p):
-        clock.advance(1.0)  # every run of the step "takes" one second of the fake clock
-        return x + p
+        return slow(x) + p
 
     config = AdmissionConfig(min_hits=1, payback=1.0, max_capture_fraction=1.0)
     runner = make_runner(step, admission=config)

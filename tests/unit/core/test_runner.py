@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import graphguard as gg
 from graphguard.core.reasons import FallbackReason
 from tests.unit.core.conftest import SEG, inputs, mlp_step
+from tests.unit.core.stand_ins import counting, jitter
 
 MiB = 1 << 20
 
@@ -131,13 +132,7 @@ def test_later_captures_work_after_a_failed_one(make_runner):
 
 
 def drifting_step_factory():
-    calls = {"n": 0}
-
-    def step(x):
-        calls["n"] += 1
-        return x + calls["n"]  # host state baked into the graph: eager and replay disagree
-
-    return step
+    return counting()  # each execution adds one more: eager and replay disagree
 
 
 def test_parity_mismatch_at_admission_retires_and_quarantines(make_runner):
@@ -364,28 +359,15 @@ def test_a_graph_admitted_without_a_parity_check_reports_parity_off(make_runner)
     assert [entry.verified for entry in runner.entries()] == ["off"]
 
 
-class Jitter:
-    """A step whose eager runs differ a little each time (a non-deterministic kernel): run k
-    adds offsets[k % len(offsets)]."""
-
-    def __init__(self, offsets: list[float]) -> None:
-        self.offsets, self.runs = offsets, 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        offset = self.offsets[self.runs % len(self.offsets)]
-        self.runs += 1
-        return x * 2 + offset
-
-
 def test_exact_parity_rejects_a_step_whose_eager_runs_differ(make_runner):
-    runner = make_runner(Jitter([0.0, 0.0, 0.25]))  # record run, simulated capture, replay
+    runner = make_runner(jitter([0.0, 0.0, 0.25]))  # record run, simulated capture, replay
     runner(torch.ones(4))
     assert runner.stats()["parity_mismatches"] == 1
 
 
 def test_spread_parity_admits_a_graph_within_eagers_own_spread_and_reports_both(make_runner):
     # record run +0, spread run +0.25, the simulated capture +0, the first replay +0.25
-    runner = make_runner(Jitter([0.0, 0.25]), verify="spread")
+    runner = make_runner(jitter([0.0, 0.25]), verify="spread")
     runner(torch.ones(4))
     (info,) = runner.entries()
     assert runner.stats()["captures"] == 1 and info.verified == "spread"
@@ -393,6 +375,6 @@ def test_spread_parity_admits_a_graph_within_eagers_own_spread_and_reports_both(
 
 
 def test_spread_parity_rejects_a_graph_farther_from_eager_than_eager_from_itself(make_runner):
-    runner = make_runner(Jitter([0.0, 0.25, 0.0, 1.0]), verify="spread")  # replay: +1.0
+    runner = make_runner(jitter([0.0, 0.25, 0.0, 1.0]), verify="spread")  # replay: +1.0
     runner(torch.ones(4))
     assert runner.stats()["parity_mismatches"] == 1 and runner.entries() == []

@@ -98,9 +98,9 @@ def test_a_capture_evicts_for_its_expected_bytes_before_it_starts():
     seen: list[int] = []
 
     class Watching(SimBackend):
-        def capture(self, fn, args, *, pool, stream):
+        def capture(self, fn, args, *, pool, stream, holes=()):
             seen.append(self.reserved_bytes())  # what the device holds as the capture begins
-            return super().capture(fn, args, pool=pool, stream=stream)
+            return super().capture(fn, args, pool=pool, stream=stream, holes=holes)
 
     backend = Watching(workspace_bytes=WORKSPACE)
     probe = gg.GraphRunner(double, backend=SimBackend(workspace_bytes=WORKSPACE), admission=NAIVE)

@@ -35,9 +35,9 @@ def tiny(embedded_model: LoadedModel) -> LoadedModel:
 def slow_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     capture = SimBackend.capture
 
-    def slow(self, fn, args, *, pool, stream):
+    def slow(self, fn, args, *, pool, stream, holes=()):
         time.sleep(SLOW_S)
-        return capture(self, fn, args, pool=pool, stream=stream)
+        return capture(self, fn, args, pool=pool, stream=stream, holes=holes)
 
     monkeypatch.setattr(SimBackend, "capture", slow)
     monkeypatch.delenv("GRAPHGUARD_DISABLE", raising=False)
