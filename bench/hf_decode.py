@@ -1,7 +1,8 @@
 """A transformers causal LM's decode step: HF eager, graphguard, torch.compile, side by side.
 
 The same model (random bf16 weights, a transformers `StaticCache`) and the same decode step,
-`model(input_ids, past_key_values=cache, cache_position=...)`, each of these ways in one process:
+`model(input_ids, position_ids=..., attention_mask=..., past_key_values=cache)` with the inputs
+`generate` gives it, each of these ways in one process:
 
 - eager: the step as transformers runs it;
 - graphguard: `graphguard.hf.GraphedCausalLM` (bounded, verified graphs of the step);
@@ -17,7 +18,8 @@ compile: compiling), replays, whether the tokens equal eager's, and `memory_rese
 Targets (issue 27): graphguard within 1.1x of compile's step time at batch 1, at least 10x
 faster than eager, every token equal to eager's, reserved growth within the byte budget.
 
-    python bench/hf_decode.py [--shapes qwen3-0.6b,llama-1b] [--batches 1,8] [--new 64]
+    python bench/hf_decode.py [--shapes qwen3-0.6b,llama-1b,mistral-1b-window] [--batches 1,8]
+        [--new 64]
 """
 
 from __future__ import annotations
@@ -43,18 +45,33 @@ SHAPES: dict[str, dict[str, Any]] = {
         family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
     ),
+    # Llama-1B's shape with Mistral's sliding window, filled within the prompt and new tokens:
+    # every layer's cache update is a hole between the step's graphs (graphguard/hf_cache.py)
+    "mistral-1b-window": dict(
+        family="mistral", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        sliding_window=64,
+    ),
 }  # fmt: skip
 PROMPT = 32
 BUDGET = 4 << 30
 
 
+CLASSES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+
+
 def build(shape: str) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     spec: dict[str, Any] = dict(SHAPES[shape])
-    family = spec.pop("family")
+    config_name, model_name = CLASSES[spec.pop("family")]
     config_class, model_class = (
-        (Qwen3Config, Qwen3ForCausalLM) if family == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+        getattr(transformers, config_name),
+        getattr(transformers, model_name),
     )
     config = config_class(**spec, max_position_embeddings=4096)
     torch.manual_seed(0)
@@ -193,18 +210,8 @@ def _compiled(
     step = torch.compile(holder._decode, mode="reduce-overhead")
 
     def generate() -> torch.Tensor:
-        holder.cache.reset()
-        length = ids.shape[1]
-        out = model(input_ids=ids, past_key_values=holder.cache,
-                    cache_position=torch.arange(length, device="cuda"))  # fmt: skip
-        logits, tokens = out.logits[:, -1, :], [ids]
-        for i in range(new):
-            pick = logits.argmax(-1)
-            tokens.append(pick[:, None])
-            if i + 1 < new:
-                position = torch.tensor([length + i], device="cuda")
-                logits = step(pick[:, None], position, None).clone()
-        return torch.cat(tokens, dim=1)
+        # NOTE: each token is picked before the next step overwrites the graph's output
+        return holder.decode_loop(step, ids, new, lambda logits: logits.argmax(-1))
 
     try:
         with torch.no_grad():

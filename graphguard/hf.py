@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -167,22 +168,37 @@ class GraphedCausalLM:
         chosen as `model.generate` chooses them (greedy unless `do_sample`). Each step's inputs
         (positions, attention masks) are the ones `generate` gives the model, built by the
         model's own `prepare_inputs_for_generation` outside the graphs."""
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         if length + max_new_tokens > self.max_cache_len:
             raise ValueError(
                 f"{length} prompt tokens + {max_new_tokens} new exceed max_cache_len "
                 f"{self.max_cache_len}"
             )
+        decode: Callable[..., Tensor] = self.runner if self.segments is None else self.segments
+        pick = partial(_sample, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                       top_p=top_p, generator=generator)  # fmt: skip
+        return self.decode_loop(decode, input_ids, max_new_tokens, pick)
+
+    @torch.no_grad()
+    def decode_loop(
+        self,
+        decode: Callable[..., Tensor],
+        input_ids: Tensor,
+        max_new_tokens: int,
+        pick: Callable[[Tensor], Tensor],
+    ) -> Tensor:
+        """generate's loop with another decode step (a benchmark's compiled `_decode`): the
+        prompt eagerly, then `decode(ids, positions, adapters, mask_names, *masks)` per token,
+        each token chosen from the logits by `pick`."""
+        batch = input_ids.shape[0]
         ids = self._padded(input_ids)
         self.cache = self._cache_of(ids.shape[0])
         self.cache.reset()
         context = _Context(ids, self.cache, self._forward_options)
         logits = self.model(**context.inputs(self.model, first=True)).logits[:, -1, :]
         adapters = self.adapters()
-        decode: Callable[..., Tensor] = self.runner if self.segments is None else self.segments
         for step in range(max_new_tokens):
-            pick = _sample(logits, do_sample, temperature, top_k, top_p, generator)
-            context.append(pick[:, None])
+            context.append(pick(logits)[:, None])
             if step + 1 == max_new_tokens:
                 break
             inputs = context.inputs(self.model, first=False)
@@ -272,6 +288,7 @@ def _fusion(model: Any, kernels: str) -> Fusion | None:
 
 def _sample(
     logits: Tensor,
+    *,
     do_sample: bool,
     temperature: float,
     top_k: int | None,

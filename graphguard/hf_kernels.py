@@ -29,9 +29,10 @@ from torch import Tensor, nn
 
 from graphguard.kernels.reference import QKNorm
 
-# Relative error of a fused module against its own forward on random rows that a swap may have:
-# a few bfloat16 roundings (2**-8 each), far under what a different formula gives.
-MAX_REL_ERROR = 2e-2
+# Relative error of a fused module against its own forward on random rows that a swap may have,
+# by dtype: a few roundings of it (2**-8 each in bfloat16), far under what a different formula
+# gives.
+MAX_REL_ERROR = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 SILU_NAMES = frozenset({"SiLU", "SiLUActivation"})
 
 
@@ -179,24 +180,25 @@ class Fusion:
 
 def fuse_kernels(model: nn.Module) -> Fusion:
     """Swap `model`'s RMSNorms and SwiGLU MLPs for graphguard's fused kernels, in place (see the
-    module docstring). Needs a CUDA model (or Triton's CPU interpreter, TRITON_INTERPRET=1)."""
+    module docstring). Needs a CUDA model (or Triton's CPU interpreter, TRITON_INTERPRET=1).
+
+    NOTE: each module is checked on its own: modules of one class may compute different things
+    (a layer without RoPE among layers with it)."""
     device = next(model.parameters()).device
     _check_device(device)
     fusion = Fusion()
-    verdicts: dict[type, str | None] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             fused = _fused(child)
             if fused is None:
                 continue
-            kind = type(child)
-            if kind not in verdicts:
-                verdicts[kind] = _disagreement(child, fused, device)
-                if verdicts[kind] is not None:
-                    fusion.skipped[kind.__name__] = str(verdicts[kind])
-            if verdicts[kind] is None:
-                setattr(parent, name, fused)
-                fusion.swapped.append((parent, name, child))
+            why = fused if isinstance(fused, str) else _disagreement(child, fused, device)
+            if why is not None:
+                fusion.skipped.setdefault(type(child).__name__, why)
+                continue
+            assert isinstance(fused, nn.Module)
+            setattr(parent, name, fused)
+            fusion.swapped.append((parent, name, child))
     return fusion
 
 
@@ -214,8 +216,9 @@ def _check_device(device: torch.device) -> None:
         raise ValueError(f"fused kernels need Triton: {missing}")
 
 
-def _fused(module: nn.Module) -> nn.Module | None:
-    """The fused stand-in for a module this file knows the shape of, else None."""
+def _fused(module: nn.Module) -> nn.Module | str | None:
+    """The fused stand-in for a module this file knows the shape of, why it has none (a
+    feature the kernels do not compute), or None for a module of another shape."""
     name = type(module).__name__
     if name.endswith("Attention"):
         return _fused_attention(module)
@@ -231,12 +234,24 @@ def _fused(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def _fused_attention(module: Any) -> nn.Module | None:
+# What an attention may do that FusedAttention does not, by the attribute that says it does.
+_ATTENTION_EXTRAS = {
+    "attn_logit_softcapping": "soft-caps its attention logits",
+    "logit_softcapping": "soft-caps its attention logits",
+}
+
+
+def _fused_attention(module: Any) -> nn.Module | str | None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     parts = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
     if not all(hasattr(module, part) for part in parts):
         return None
+    for attribute, what in _ATTENTION_EXTRAS.items():
+        if getattr(module, attribute, None):
+            return f"{what} ({attribute}), which the fused attention does not"
+    if not getattr(module, "use_rope", True):
+        return "a layer without RoPE, which the fused attention rotates"
     head_dim = module.head_dim
     if (
         head_dim & (head_dim - 1)
@@ -247,7 +262,7 @@ def _fused_attention(module: Any) -> nn.Module | None:
     k_norm: Any = getattr(module, "k_norm", None)
     if q_norm is None and k_norm is None:
         return FusedAttention(module, None)
-    if any(not isinstance(n, nn.Module) or _fused(n) is None for n in (q_norm, k_norm)):
+    if any(not isinstance(_fused(n), FusedRMSNorm) for n in (q_norm, k_norm)):
         return None
     eps: set[Any] = {
         getattr(n, "variance_epsilon", getattr(n, "eps", None)) for n in (q_norm, k_norm)
@@ -268,7 +283,7 @@ def _disagreement(original: nn.Module, fused: nn.Module, device: torch.device) -
     if isinstance(expected, tuple):  # an attention's (output, weights)
         expected, got = expected[0], got[0]
     error = (got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)
-    if got.shape != expected.shape or error > MAX_REL_ERROR:
+    if got.shape != expected.shape or error > MAX_REL_ERROR.get(expected.dtype, 2e-2):
         return f"computes something else (relative error {float(error):.3g})"
     return None
 

@@ -98,6 +98,7 @@ class EntryInfo:
     # verify="spread": eager's own run-to-run spread and the graph's distance from eager
     eager_spread: float | None = None
     graph_error: float | None = None
+    num_holes: int = 0  # eager calls between its graphs at every replay (core/holes.py)
 
 
 class GraphEntry:
@@ -265,6 +266,7 @@ class GraphEntry:
             ],
             eager_spread=_largest(self.eager_spread),
             graph_error=_largest(self.graph_error),
+            num_holes=getattr(self.graph, "num_holes", 0),
         )
 
 

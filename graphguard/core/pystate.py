@@ -16,8 +16,10 @@ state, graphguard/core/state.py). `before.changes(after)` lists what differs, ea
 to put its value back (`undo`) and forward again (`redo`).
 
 What is not walked: the runtime's own objects (graphguard.core, graphguard.segmented: their
-counters change while a capture runs and are not the step's), modules and classes, a function's
-globals, locks, loggers, and objects past `MAX_OBJECTS`. State there is not found.
+counters change while a capture runs and are not the step's), compilers' and kernel libraries'
+objects (Triton, Numba, torch's internals: caches), modules and classes, a function's globals
+beyond the names its own code uses, locks, loggers, and objects past `MAX_OBJECTS` (with a
+warning). State there is not found.
 """
 
 from __future__ import annotations
@@ -35,9 +37,12 @@ from typing import Any
 
 import torch
 
-# How many objects a snapshot walks before it stops looking (a large model reaches a few
-# thousand: modules, their hook dicts, configs).
-MAX_OBJECTS = 100_000
+log = logging.getLogger("graphguard")
+
+# How many objects a snapshot walks before it stops looking: a model reaches about 16 per
+# module (its hook dicts and parameter dicts), so 30 layers of 12 modules are about 6,000; a
+# mixture of experts with a module per expert reaches hundreds of thousands (about 1 s a walk).
+MAX_OBJECTS = 1_000_000
 
 _VALUES = (
     type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device,
@@ -49,7 +54,10 @@ _OPAQUE = (
     logging.Logger, torch.Generator, type(threading.Lock()), type(threading.RLock()),
     threading.Condition, threading.Event, threading.Thread,
 )  # fmt: skip
-_RUNTIME = ("graphguard.core.", "graphguard.segmented.")
+# Modules whose objects are never the step's state: the runtime's own bookkeeping, and the
+# caches of compilers and kernel libraries (a Triton kernel's compiled variants grow on a new
+# specialization; that is no value a replay must change).
+_NOT_STATE = ("graphguard.core.", "graphguard.segmented.", "triton.", "numba.", "torch._")
 _MISSING = object()  # an attribute that is not there
 
 
@@ -129,10 +137,14 @@ class PyState:
         owners: dict[int, Any] = {}
         skipped = {id(obj) for obj in unwatched}
         stack = [child for root in roots for child in _root_children(root)]
-        while stack and len(owners) < MAX_OBJECTS:
+        while stack:
             obj = stack.pop()
             if id(obj) in owners or id(obj) in skipped or not _is_walked(obj):
                 continue
+            if len(owners) >= MAX_OBJECTS:
+                log.warning("graphguard: a step reaches over %d objects; the rest of its "
+                            "Python-side state is not watched", MAX_OBJECTS)  # fmt: skip
+                break
             owners[id(obj)] = obj
             for where, name, value in _fields(obj):
                 entries[(id(obj), where, name)] = value
@@ -172,7 +184,7 @@ def _root_children(root: Any) -> list[Any]:
 def _is_walked(obj: Any) -> bool:
     if isinstance(obj, _VALUES) or isinstance(obj, _OPAQUE) or callable(obj) and _is_plain_fn(obj):
         return False
-    return not type(obj).__module__.startswith(_RUNTIME)
+    return not type(obj).__module__.startswith(_NOT_STATE)
 
 
 def _is_plain_fn(obj: Any) -> bool:

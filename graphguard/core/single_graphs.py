@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 from graphguard.core.backends import Backend, CaptureError
 from graphguard.core.capture import CaptureMode, CaptureUnits, Verdict
 from graphguard.core.entry import GraphEntry
+from graphguard.core.holes import HoleMismatch
 from graphguard.core.inputs import (
     MAX_PLANS,
     CallPlan,
@@ -134,6 +135,10 @@ class SingleGraphs:
             yield
             outputs = entry.replay()
             state.written()
+        except HoleMismatch as exc:  # its first replay ran part of the step: put it back
+            state.written()
+            state.undo()
+            return Verdict.rejected(CaptureOutcome.FAILED, exc)
         except CaptureError as exc:
             return Verdict.rejected(CaptureOutcome.FAILED, exc)
         finally:

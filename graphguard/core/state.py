@@ -73,7 +73,7 @@ class _Write:
         self.index: Any = None
         if func is _INDEX_COPY:
             self.dim, self.index = args[1], args[2].clone()
-        elif func is _INDEX_PUT and not (len(args) > 3 and args[3]):  # accumulate: whole view
+        elif func is _INDEX_PUT:  # NOTE: accumulated or not, the indexed elements are written
             self.dim, self.index = None, [None if i is None else i.clone() for i in args[1]]
         self.before = self.region().clone()
 
@@ -94,8 +94,8 @@ class _Write:
             self.target.copy_(self.before)
         elif self.dim is not None:
             self.target.index_copy_(self.dim, self.index, self.before)
-        else:
-            self.target.index_put_(self.index, self.before)
+        else:  # NOTE: the op itself: its indices may hold None (a slice), the method's may not
+            _INDEX_PUT(self.target, self.index, self.before)
 
 
 @dataclass
@@ -166,7 +166,8 @@ class _Watch(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         # NOTE: the mode's hook to opt out of being wrapped for dynamo: the wrapper imports
         # torch._dynamo on first use (1-5 s, counted as capture work); nothing here compiles.
-        return False
+        # It runs when the class is made, before mutation testing could swap it.
+        return False  # pragma: no mutate
 
     def __init__(self, device: torch.device, inputs: Sequence[Any], options: StateOptions):
         super().__init__()
@@ -227,7 +228,7 @@ class _Watch(TorchDispatchMode):
 
         NOTE: a tensor that only native code holds (a collective's pending work, say) has no
         Python referrer: it is not the step's state, and is not counted."""
-        mine = {id(t) for t in tree_flatten(outputs)[0]} | {id(t) for t in keep}
+        mine = {id(t) for t in keep}  # the outputs, and their views, by their storage
         out_storages = {_storage(t) for t in tree_flatten(outputs)[0] if _is_tensor(t)}
         found = [ref() for ref in self.made]
         alive = [

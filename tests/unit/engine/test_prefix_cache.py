@@ -304,3 +304,64 @@ def test_a_prompts_intake_bytes_are_what_its_blocks_hash_and_any_other_prompt_st
     bare = Sequence("b", ids, SamplingParams())  # made without the engine's intake
     PrefixCache(pool()).reusable(bare)
     assert bare.prefix_hashes == seq.prefix_hashes
+
+
+def registered(cache: PrefixCache, request_id: str, tokens: list[int]) -> Sequence:
+    """A sequence admitted with fresh blocks, its whole prompt written and cached."""
+    seq = Sequence(request_id, tokens, SamplingParams())
+    blocks = -(-len(tokens) // cache.block_size)
+    seq.block_table = cache.claim(seq, []) + cache.kv.allocate(blocks)
+    cache.register(seq, len(tokens))
+    return seq
+
+
+def test_a_prompt_sharing_a_later_block_but_not_the_blocks_before_it_reuses_none_of_it():
+    cache = PrefixCache(pool())  # blocks of 2 tokens
+    first = registered(cache, "a", [1, 2, 3, 4, 5, 6, 9])  # P, X, D, one more token
+    second = Sequence("b", [1, 2, 5, 6, 9], SamplingParams())  # P, D, ...: D after another prefix
+    assert cache.reusable(second) == first.block_table[:1]  # P only, never D's KV
+
+
+def test_equal_hashes_mean_equal_whole_prefixes_in_a_reference_of_the_chain():
+    import hashlib
+
+    def reference(tokens: list[int]) -> list[bytes]:
+        out, previous = [], b""
+        for start in range(0, len(tokens) - 1, 2):
+            data = torch.tensor(tokens[start : start + 2], dtype=torch.int64).numpy().tobytes()
+            previous = hashlib.blake2b(previous + data, digest_size=16).digest()
+            out.append(previous)
+        return out
+
+    tokens = [3, 1, 4, 1, 5, 9]
+    assert prefix_hashes(tokens, 2, 3) == reference(tokens)
+    assert prefix_hashes([7, 7, 4, 1], 2, 2)[1] != prefix_hashes(tokens, 2, 2)[1]
+
+
+def test_the_last_prompt_token_of_a_block_aligned_prompt_is_always_computed():
+    cache = PrefixCache(pool())
+    first = registered(cache, "a", [1, 2, 3, 4])  # two whole blocks
+    again = Sequence("b", [1, 2, 3, 4], SamplingParams())
+    assert cache.reusable(again) == first.block_table[:1]  # its last block is computed again
+
+
+def test_a_block_aligned_prompt_sent_twice_answers_as_a_fresh_engine(tiny_qwen3):
+    prompt = document(32)  # two blocks of 16: every token in a full block
+    fresh = make_engine(tiny_qwen3, enforce_eager=True, block_size=16)
+    expected, _ = answer(fresh, "a", prompt)
+    engine = make_engine(tiny_qwen3, enforce_eager=True, block_size=16)
+    answer(engine, "a", prompt)
+    got, num_computed = answer(engine, "b", prompt)
+    assert num_computed == 16 and [lp.token_id for lp in got] == [lp.token_id for lp in expected]
+    assert_same_answer(got, expected)
+
+
+def test_the_blocks_of_a_request_with_images_are_never_cached():
+    kv = pool()
+    cache = PrefixCache(kv)
+    seq = Sequence("a", [1, 2, 3, 4, 5], SamplingParams())
+    seq.image_positions = [0]  # its KV depends on the image, not only on the tokens
+    seq.block_table = cache.claim(seq, []) + kv.allocate(3)
+    cache.register(seq, 4)
+    assert kv.num_cached_blocks == 0
+    assert cache.reusable(Sequence("b", [1, 2, 3, 4, 9], SamplingParams())) == []

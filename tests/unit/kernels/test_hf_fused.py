@@ -22,7 +22,9 @@ from graphguard.hf_kernels import (  # noqa: E402
     FusedSwiGLU,
     fuse_kernels,
 )
-from tests.unit.test_hf import prompt, tiny  # noqa: E402
+from tests.hf_models import OTHER_FAMILIES, tiny_causal_lm  # noqa: E402
+from tests.unit.test_hf import SHAPE, prompt, tiny  # noqa: E402
+from tests.unit.test_hf_families import generated  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernels were imported for the device", allow_module_level=True)
@@ -104,3 +106,46 @@ def test_graphs_of_the_fused_step_replay_and_equal_its_eager_run():
 def test_an_unknown_kernels_choice_is_refused():
     with pytest.raises(ValueError, match="'model' or 'fused'"):
         GraphedCausalLM(tiny("llama"), max_cache_len=16, backend="sim", kernels="liger")
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_a_fused_family_replays_the_fused_models_own_generate(family):
+    model = tiny_causal_lm(family, SHAPE)
+    own = logits(model, prompt(2))
+    graphed = GraphedCausalLM(model, max_cache_len=64, backend="sim", kernels="fused",
+                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
+    torch.testing.assert_close(logits(model, prompt(2)), own, rtol=1e-4, atol=1e-4)
+    expected, _ = generated(model, prompt(2), new=12)  # generate over the swapped kernels
+    assert torch.equal(graphed.generate(prompt(2), max_new_tokens=12), expected)
+    stats = graphed.runner.stats()
+    assert (stats["captures"], stats["replays"], stats["fallbacks"]) == (1, 11, {})
+    fusion = graphed.fusion
+    assert fusion is not None and fusion.num_swapped + len(fusion.skipped) > 0
+
+
+@pytest.mark.parametrize(
+    "family,module,why,num_fused",
+    [
+        ("gemma2", "Gemma2Attention", "soft-caps its attention logits", 0),
+        ("gemma2", "Gemma2RMSNorm", "computes something else", 0),
+        ("smollm3", "SmolLM3Attention", "without RoPE", 1),  # the layer with RoPE is swapped
+        ("olmo2", "Olmo2Attention", "computes something else", 0),
+    ],
+)
+def test_a_swap_that_computes_something_else_is_skipped_with_its_reason(
+    family, module, why, num_fused
+):
+    model = tiny_causal_lm(family, SHAPE)
+    fusion = fuse_kernels(model)
+    assert why in fusion.skipped[module]
+    swapped = [original for _, _, original in fusion.swapped]
+    assert sum(type(original).__name__ == module for original in swapped) == num_fused
+
+
+def test_each_module_is_checked_on_its_own_not_by_its_class():
+    model = tiny_causal_lm("smollm3", SHAPE)  # layer 1 of 2 has no RoPE, layer 0 has
+    fusion = fuse_kernels(model)
+    layers = model.model.layers
+    assert isinstance(layers[0].self_attn, FusedAttention)
+    assert not isinstance(layers[1].self_attn, FusedAttention)
+    assert "without RoPE" in fusion.skipped["SmolLM3Attention"]
