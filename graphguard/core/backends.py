@@ -193,7 +193,7 @@ class CudaBackend:
         stream: Any,
         holes: Sequence[HoleCall],
     ) -> tuple[Any, Any]:
-        split = _Split(pool_id, holes)
+        split = _Split(pool_id, holes, lambda: self.allocating(pool_id, stream))
         # NOTE: capture_begin/capture_end directly rather than torch.cuda.graph(), whose
         # __enter__ synchronizes the whole device and empties the allocator cache.
         split.begin()
@@ -305,9 +305,15 @@ class _Split:
     before the step, an empty one of the same shape where it made one (each replay copies its
     result in)."""
 
-    def __init__(self, pool_id: Any, holes: Sequence[HoleCall]) -> None:
+    def __init__(
+        self,
+        pool_id: Any,
+        holes: Sequence[HoleCall],
+        allocating: Callable[[], AbstractContextManager[None]],
+    ) -> None:
         self.pool_id = pool_id
         self.holes = holes
+        self.allocating = allocating  # the results a hole makes live in the graphs' pool
         self.graphs: list[Any] = []
         self.calls: list[HoleCall] = []
 
@@ -322,10 +328,11 @@ class _Split:
             raise CaptureError(f"the capture made more hole calls than the record run's {index}")
         logged = self.holes[index]
         self.graphs[-1].capture_end()
-        results = [
-            torch.empty_like(r) if made else r
-            for r, made in zip(logged.results, logged.made, strict=True)
-        ]
+        with self.allocating():
+            results = [
+                torch.empty_like(r) if made else r
+                for r, made in zip(logged.results, logged.made, strict=True)
+            ]
         self.calls.append(HoleCall(fn, args, kwargs, results, logged.made, logged.spec))
         _clear_blas_workspaces()  # the next graph's workspace in its pool, as for the first
         self.begin()

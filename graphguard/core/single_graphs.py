@@ -188,7 +188,7 @@ class SingleGraphs:
         nothing, and one with changes but no holes was refused after its record run)."""
         if not recorded.state.python and not recorded.holes.calls:
             return None
-        return recorded.python_error((self.fn, *entry.static_args), self._state.unwatched)
+        return recorded.python_error((self.fn, *entry.static_args))
 
     def _check(
         self, entry: GraphEntry, outputs: Any, recorded: Recorded, state: StepState

@@ -146,10 +146,11 @@ class Recorded:
     python_before: PyState
     holes: HoleLog
 
-    def python_error(self, roots: Sequence[Any], unwatched: Sequence[Any]) -> str | None:
+    def python_error(self, roots: Sequence[Any]) -> str | None:
         """Why the Python-side values now differ from what the record run left, if they do
-        (checked after a replay, whose holes must change them as eager did)."""
-        now = self.python_before.changes(PyState.of(roots, unwatched))
+        (checked after a replay, whose holes must change them as eager did). Objects the
+        record run did not walk (`unwatched` ones too) are not compared."""
+        now = self.python_before.changes(PyState.of(roots))
         if now.same_as(self.state.python):
             return None
         return (
@@ -240,7 +241,15 @@ class _Watch(TorchDispatchMode):
         if not alive:
             return []
         gc.collect()  # NOTE: a temporary in a reference cycle is alive until collected
-        return [t for t in alive if _held_by_python(t, alive)]
+        # NOTE: held by a Python object other than a running frame or `alive` (written inline:
+        # a helper's own arguments would refer to the tensor it is asked about)
+        return [
+            t
+            for t in alive
+            if any(
+                r is not alive and not isinstance(r, types.FrameType) for r in gc.get_referrers(t)
+            )
+        ]
 
 
 def watch_step(
@@ -290,13 +299,6 @@ class PythonState(StateRefused):
     def __init__(self, detail: str, outputs: Any) -> None:
         super().__init__(FallbackReason.PYTHON_STATE, detail)
         self.outputs = outputs
-
-
-def _held_by_python(tensor: torch.Tensor, ours: list[torch.Tensor]) -> bool:
-    """Whether a Python object other than a running frame or `ours` refers to `tensor`."""
-    return any(
-        r is not ours and not isinstance(r, types.FrameType) for r in gc.get_referrers(tensor)
-    )
 
 
 def _indexed(device: torch.device) -> torch.device:

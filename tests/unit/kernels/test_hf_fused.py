@@ -24,7 +24,7 @@ from graphguard.hf_kernels import (  # noqa: E402
 )
 from tests.hf_models import OTHER_FAMILIES, tiny_causal_lm  # noqa: E402
 from tests.unit.test_hf import SHAPE, prompt, tiny  # noqa: E402
-from tests.unit.test_hf_families import generated  # noqa: E402
+from tests.unit.test_hf_families import assert_same_cache, generated  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the Triton kernels were imported for the device", allow_module_level=True)
@@ -108,17 +108,24 @@ def test_an_unknown_kernels_choice_is_refused():
         GraphedCausalLM(tiny("llama"), max_cache_len=16, backend="sim", kernels="liger")
 
 
-@pytest.mark.parametrize("family", OTHER_FAMILIES)
-def test_a_fused_family_replays_the_fused_models_own_generate(family):
+FUSED_CASES = [(family, "whole") for family in OTHER_FAMILIES] + [
+    ("mistral", "auto"),
+    ("qwen3_moe", "auto"),
+]
+
+
+@pytest.mark.parametrize("family,mode", FUSED_CASES)
+def test_a_fused_family_replays_the_fused_models_own_generate(family, mode):
     model = tiny_causal_lm(family, SHAPE)
     own = logits(model, prompt(2))
     graphed = GraphedCausalLM(model, max_cache_len=64, backend="sim", kernels="fused",
-                              admission=gg.AdmissionConfig(min_hits=1))  # fmt: skip
+                              admission=gg.AdmissionConfig(min_hits=1), mode=mode)  # fmt: skip
     torch.testing.assert_close(logits(model, prompt(2)), own, rtol=1e-4, atol=1e-4)
-    expected, _ = generated(model, prompt(2), new=12)  # generate over the swapped kernels
+    expected, their_cache = generated(model, prompt(2), new=12)  # over the swapped kernels
     assert torch.equal(graphed.generate(prompt(2), max_new_tokens=12), expected)
     stats = graphed.runner.stats()
     assert (stats["captures"], stats["replays"], stats["fallbacks"]) == (1, 11, {})
+    assert_same_cache(graphed.cache, their_cache)
     fusion = graphed.fusion
     assert fusion is not None and fusion.num_swapped + len(fusion.skipped) > 0
 
