@@ -133,7 +133,7 @@ class GraphedCausalLM:
         mask = masks[0] if mask_names is None else dict(zip(mask_names, masks, strict=True))
         out = self.model(
             input_ids=ids, position_ids=positions, attention_mask=mask,
-            past_key_values=self.cache, use_cache=True, **self._forward_options,
+            past_key_values=self.cache, use_cache=True, return_dict=True, **self._forward_options,
         )  # fmt: skip
         return out.logits[:, -1, :]
 
@@ -195,7 +195,8 @@ class GraphedCausalLM:
         self.cache = self._cache_of(ids.shape[0])
         self.cache.reset()
         context = _Context(ids, self.cache, self._forward_options)
-        logits = self.model(**context.inputs(self.model, first=True)).logits[:, -1, :]
+        prompt = context.inputs(self.model, first=True)
+        logits = self.model(**prompt, return_dict=True).logits[:, -1, :]
         adapters = self.adapters()
         for step in range(max_new_tokens):
             context.append(pick(logits)[:, None])

@@ -205,7 +205,8 @@ class CudaBackend:
                     f"the capture made {len(split.calls)} hole calls, the record run {len(holes)}"
                 )
         except BaseException as exc:
-            self._end_failed_capture(split.graphs[-1], pool_id, stream)
+            if split.is_capturing:
+                self._end_failed_capture(split.graphs.pop(), pool_id, stream)
             split.reset()
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends stay what they are, after cleanup
@@ -213,9 +214,9 @@ class CudaBackend:
                 raise
             raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
         try:
-            split.graphs[-1].capture_end()
+            split.end()
         except RuntimeError as exc:
-            self._repair_after_failed_end(split.graphs[-1], pool_id, stream)
+            self._repair_after_failed_end(split.graphs.pop(), pool_id, stream)
             split.reset()
             raise CaptureError(str(exc)) from exc
         try:
@@ -303,7 +304,9 @@ class _Split:
     NOTE: a capture runs nothing, so a hole is not called here: what it returns is what it
     returned in the record run (`holes`), the same tensor where it returned one that existed
     before the step, an empty one of the same shape where it made one (each replay copies its
-    result in)."""
+    result in), the same value where it returned no tensor. Python code after a hole reads, at
+    capture, the values from before it: a branch on a value the hole changes is baked as eager
+    did not take it, which the first replay's check against the record run finds."""
 
     def __init__(
         self,
@@ -316,18 +319,26 @@ class _Split:
         self.allocating = allocating  # the results a hole makes live in the graphs' pool
         self.graphs: list[Any] = []
         self.calls: list[HoleCall] = []
+        self.is_capturing = False  # whether the last graph is being captured
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph(keep_graph=True)
         graph.capture_begin(pool=self.pool_id, capture_error_mode="thread_local")
         self.graphs.append(graph)
+        self.is_capturing = True
+
+    def end(self) -> None:
+        self.is_capturing = False
+        self.graphs[-1].capture_end()
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         index = len(self.calls)
         if index >= len(self.holes):
             raise CaptureError(f"the capture made more hole calls than the record run's {index}")
         logged = self.holes[index]
-        self.graphs[-1].capture_end()
+        if fn != logged.fn:
+            raise CaptureError(f"hole {index} calls {fn!r}, the record run's {logged.fn!r}")
+        self.end()
         with self.allocating():
             results = [
                 torch.empty_like(r) if made else r
@@ -339,9 +350,11 @@ class _Split:
         return self.calls[-1].returned()
 
     def reset(self) -> None:
-        """Drop every graph ended so far (the last, if still capturing, is the caller's)."""
-        for graph in self.graphs[:-1]:
+        """Drop every graph whose capture ended (one still capturing is the caller's to end)."""
+        for graph in self.graphs:
             graph.reset()
+        self.graphs.clear()
+        self.calls.clear()
 
 
 def _clear_blas_workspaces() -> None:

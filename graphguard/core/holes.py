@@ -83,20 +83,42 @@ class HoleCall:
 
     def run(self) -> None:
         """Make the call again, as a replay does; its results go where the capture's were."""
-        fresh = tree_flatten(self.fn(*self.args, **self.kwargs))[0]
-        if len(fresh) != len(self.results):
-            raise HoleMismatch(
-                f"{_name(self.fn)} returned {len(fresh)} values, not {len(self.results)}"
-            )
+        with taking_holes(None):
+            fresh = tree_flatten(self.fn(*self.args, **self.kwargs))[0]
+        check_results(self.fn, fresh, self.results, self.made)
         for kept, new, made in zip(self.results, fresh, self.made, strict=True):
-            if new is kept or not isinstance(kept, torch.Tensor):
-                continue
-            if not made or not isinstance(new, torch.Tensor) or new.shape != kept.shape:
-                raise HoleMismatch(
-                    f"{_name(self.fn)} returned another tensor than at capture, where the "
-                    "graph after it reads that one"
-                )
-            kept.copy_(new)
+            if made and new is not kept:
+                kept.copy_(new)
+
+
+def check_results(
+    fn: Callable[..., Any], fresh: list[Any], returned: list[Any], made: list[bool]
+) -> None:
+    """HoleMismatch unless a replay's results of a hole can feed the graph after it: as many;
+    a value that is no tensor equal to the capture's; a tensor the call made alike in shape,
+    dtype and device (it is copied in); any other tensor the capture's own memory (the same
+    tensor, or a view of it alike)."""
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    if len(fresh) != len(returned):
+        raise HoleMismatch(f"{name} returned {len(fresh)} values, not {len(returned)}")
+    for new, old, is_made in zip(fresh, returned, made, strict=True):
+        if not isinstance(old, torch.Tensor):
+            if not (new is old or (not isinstance(new, torch.Tensor) and new == old)):
+                raise HoleMismatch(f"{name} returned {new!r} where the capture saw {old!r}")
+        elif not isinstance(new, torch.Tensor) or not _fits(new, old, is_made):
+            raise HoleMismatch(
+                f"{name} returned another tensor than at capture, where the graph after it "
+                "reads that one"
+            )
+
+
+def _fits(new: torch.Tensor, old: torch.Tensor, is_made: bool) -> bool:
+    if new is old:
+        return True
+    alike = new.shape == old.shape and new.dtype == old.dtype and new.device == old.device
+    if is_made:
+        return alike
+    return alike and new.data_ptr() == old.data_ptr() and new.stride() == old.stride()
 
 
 @dataclass
@@ -108,15 +130,12 @@ class HoleLog:
     calls: list[HoleCall] = field(default_factory=list)
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        out = fn(*args, **kwargs)
+        with taking_holes(None):  # a hole inside a hole is part of it
+            out = fn(*args, **kwargs)
         results, spec = tree_flatten(out)
         made = [isinstance(r, torch.Tensor) and self.is_new(r) for r in results]
         self.calls.append(HoleCall(fn, args, kwargs, results, made, spec))
         return out
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 class SplitGraph:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import math
 import threading
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -242,26 +243,23 @@ def _inner(value: Any) -> list[Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether a value is unchanged: identical, or equal where it is an immutable value."""
+    """Whether a value is unchanged: identical, or equal where it is an immutable value (a NaN
+    rebound to another NaN too); contents of containers in their order."""
     if a is b:
         return True
     if type(a) is not type(b):
         return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
     if isinstance(a, _VALUES):
         return bool(a == b)
-    if isinstance(a, tuple) or isinstance(a, (list, set, frozenset)):
-        # a container's contents are compared item by item: a new list equal to the old one
-        # is no change for a copy, but is for an attribute (see _fields: copies are values)
-        return len(a) == len(b) and _same_items(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return False
-
-
-def _same_items(a: Any, b: Any) -> bool:
     if isinstance(a, (set, frozenset)):
-        return a == b
-    return all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return bool(a == b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return False
 
 
 def _put(owner: Any, where: _Where, name: str, value: Any) -> None:
@@ -283,12 +281,17 @@ def _put(owner: Any, where: _Where, name: str, value: Any) -> None:
             del owner.cell_contents
         else:
             owner.cell_contents = value
+    # NOTE: the base types' methods: a subclass may refuse its own (transformers' ModelOutput
+    # raises on update), and its contents are what was saved
     elif isinstance(owner, dict):
-        owner.clear()
-        owner.update(value)
+        base = OrderedDict if isinstance(owner, OrderedDict) else dict  # its own bookkeeping
+        base.clear(owner)
+        base.update(owner, value)
     elif isinstance(owner, set):
-        owner.clear()
-        owner.update(value)
+        set.clear(owner)
+        set.update(owner, value)
+    elif isinstance(owner, list):
+        list.__setitem__(owner, slice(None), value)
     else:
         owner.clear()
         owner.extend(value)

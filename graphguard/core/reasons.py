@@ -55,6 +55,7 @@ class EvictionCause(enum.StrEnum):
 
     BUDGET = "budget"  # room for another graph
     REVERIFY = "reverify"  # a periodic re-verification found it drifting
+    REPLAY_FAILED = "replay_failed"  # a replay raised (a hole that broke its contract)
     INVALIDATE = "invalidate"  # every graph retired: new weights, say
     CLOSE = "close"  # the runner closed
 

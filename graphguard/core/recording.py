@@ -29,7 +29,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from graphguard.core.holes import HoleMismatch
+from graphguard.core.holes import check_results, taking_holes
 
 # Ops that synchronize with the host, so a CUDA stream capture rejects them.
 _HOST_SYNC_OPS = {
@@ -113,7 +113,7 @@ class _Recorded:
         )
         results = tree_flatten(self.fn(*args, **kwargs))[0]
         if self.returned is not None:
-            _check_hole(self.fn, results, self.returned, self.fills)
+            check_results(self.fn, results, self.returned, [f is not None for f in self.fills])
         for slot, result in zip(self.fills, results, strict=True):
             if slot is not None:
                 values[slot] = result
@@ -140,8 +140,7 @@ class Recorder(RejectHostSync):
         kwargs = kwargs or {}
         if self._hole_made is not None:  # a hole runs as eager Python: none of it is recorded
             out = func(*args, **kwargs)
-            if all(r.alias_info is None for r in func._schema.returns):
-                self._hole_made.update(id(t) for t in tree_flatten(out)[0] if _is_tensor(t))
+            self._hole_made.update(id(t) for t in tree_flatten(out)[0] if _is_tensor(t))
             return out
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self._record(func, (args, kwargs), out, None)
@@ -152,15 +151,17 @@ class Recorder(RejectHostSync):
         made: set[int] = set()
         self._hole_made = made
         try:
-            out = fn(*args, **kwargs)
+            with taking_holes(None):  # a hole inside a hole is part of it
+                out = fn(*args, **kwargs)
         finally:
             self._hole_made = None
-        self._record(fn, (args, kwargs), out, made)
+        self._record(fn, (args, kwargs), out, made | set(self._slots))
         return out
 
     def _record(self, fn: Callable[..., Any], call: Any, out: Any, hole: set[int] | None) -> None:
-        """Record an op, or a hole (`hole`: the ids of the tensors it made: only those fill a
-        slot; any other tensor it returns must come back at every replay)."""
+        """Record an op, or a hole (`hole`: the ids of the tensors it made, and of those the
+        step made before it: only those fill a slot; any other tensor it returns must come
+        back at every replay, as the same memory)."""
         leaves, spec = tree_flatten(call)
         refs = [self._ref(leaf) for leaf in leaves]
         results = tree_flatten(out)[0]
@@ -261,20 +262,6 @@ def _set_frees(steps: list[_Recorded], outputs: list[Any]) -> None:
             frees.setdefault(position, []).append(slot)
     for position, slots in frees.items():
         steps[position].frees = tuple(slots)
-
-
-def _check_hole(
-    fn: Callable[..., Any], results: list[Any], returned: list[Any], fills: list[int | None]
-) -> None:
-    """A hole's results at a replay: a tensor it made fills its slot; any other tensor must be
-    the one it returned at capture (the steps after it read that one)."""
-    if len(results) != len(returned):
-        raise HoleMismatch(f"a hole returned {len(results)} values, not {len(returned)}")
-    for new, old, slot in zip(results, returned, fills, strict=True):
-        if slot is None and _is_tensor(old) and new is not old:
-            raise HoleMismatch(
-                f"{getattr(fn, '__qualname__', fn)} returned another tensor than at capture"
-            )
 
 
 def _is_work(value: Any) -> bool:

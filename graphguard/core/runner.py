@@ -208,8 +208,16 @@ class Runner(Generic[E, C]):
         started = self.clock()
         try:
             replayed = self.kind.replay(entry, call, plan)
-        finally:
+        except Exception as exc:
+            # NOTE: the step may be partly run (graphs before a failed hole): no eager answer
+            # could be trusted, so the error goes to the caller, and the graph goes
             self._cache.release(entry)
+            self._cache.evict(entry.key, EvictionCause.REPLAY_FAILED)
+            self._quarantine(entry.key, f"replay failed: {type(exc).__name__}: {exc}")
+            raise
+        else:
+            self._cache.release(entry)
+        finally:
             self.policy.record_replay(self.clock() - started)
         if replayed.drift is not None:
             self._cache.evict(entry.key, EvictionCause.REVERIFY)
@@ -449,7 +457,8 @@ class Runner(Generic[E, C]):
         self._counts.eviction(cause)
         if cause is EvictionCause.BUDGET:
             self.policy.record_eviction(entry.key)
-        if cause in (EvictionCause.BUDGET, EvictionCause.REVERIFY) and self.backend is not None:
+        one_by_one = (EvictionCause.BUDGET, EvictionCause.REVERIFY, EvictionCause.REPLAY_FAILED)
+        if cause in one_by_one and self.backend is not None:
             # NOTE: the evicted pool is released; trimming hands its reserved bytes back now,
             # so the device really holds no more than the budget says.
             self.backend.trim()

@@ -17,7 +17,6 @@ from torch.utils._pytree import tree_map
 from graphguard.core.backends import Backend, CaptureError
 from graphguard.core.capture import CaptureMode, CaptureUnits, Verdict
 from graphguard.core.entry import GraphEntry
-from graphguard.core.holes import HoleMismatch
 from graphguard.core.inputs import (
     MAX_PLANS,
     CallPlan,
@@ -31,6 +30,7 @@ from graphguard.core.inputs import (
 from graphguard.core.keys import Buckets, GraphKey
 from graphguard.core.kind import Replayed
 from graphguard.core.options import CaptureConfig
+from graphguard.core.pystate import PyChanges
 from graphguard.core.reasons import CaptureOutcome, FallbackReason
 from graphguard.core.state import (
     PythonState,
@@ -135,18 +135,20 @@ class SingleGraphs:
             yield
             outputs = entry.replay()
             state.written()
-        except HoleMismatch as exc:  # its first replay ran part of the step: put it back
+        except Exception as exc:  # noqa: BLE001 - a failed warm-up, capture or first replay
+            # NOTE: it may have run part of the step (a warm-up, the simulation's capture, a
+            # replay up to a hole that failed): put back what the record run wrote
             state.written()
             state.undo()
             return Verdict.rejected(CaptureOutcome.FAILED, exc)
-        except CaptureError as exc:
-            return Verdict.rejected(CaptureOutcome.FAILED, exc)
         finally:
             entry.transient_bytes = 0
-        python_error = self._python_error(entry, recorded)
-        if python_error is not None:
+        changed = self._python_differs(entry, recorded)
+        if changed is not None:  # what the replay changed, and what eager did, go back
+            changed.undo()
             state.undo()
-            return Verdict.refused(StateRefused(FallbackReason.PYTHON_STATE, python_error))
+            why = recorded.python_error(changed)
+            return Verdict.refused(StateRefused(FallbackReason.PYTHON_STATE, why))
         error = self._check(entry, outputs, recorded, state)
         if error is not None:
             state.undo()
@@ -182,13 +184,14 @@ class SingleGraphs:
         state.undo()
         return Verdict()
 
-    def _python_error(self, entry: GraphEntry, recorded: Recorded) -> str | None:
-        """Whether the first replay left the Python-side values as the record run did (only a
-        step with holes, or Python-side changes, can differ: one without either changed
-        nothing, and one with changes but no holes was refused after its record run)."""
+    def _python_differs(self, entry: GraphEntry, recorded: Recorded) -> PyChanges | None:
+        """What a replay changed of the Python-side values, where that is not what the record
+        run changed (only a step with holes, or Python-side changes, can differ: one without
+        either changed nothing, and one with changes but no holes was refused after its record
+        run)."""
         if not recorded.state.python and not recorded.holes.calls:
             return None
-        return recorded.python_error((self.fn, *entry.static_args))
+        return recorded.python_differs((self.fn, *entry.static_args), self._state.unwatched)
 
     def _check(
         self, entry: GraphEntry, outputs: Any, recorded: Recorded, state: StepState
@@ -239,15 +242,21 @@ class SingleGraphs:
         copy_inputs(entry, args, plan, self.buckets)
         try:
             recorded = watch_step(self.fn, entry.static_args, entry.backend.device, self._state)
-        except StateRefused as refused:
+        except PythonState as refused:  # the watched run stands as the call's execution
+            answer = slice_outputs(refused.outputs, plan, copy=True)
+            return Replayed(answer, FallbackReason.PARITY_MISMATCH, drift=refused)
+        except StateRefused as refused:  # undone: the call runs eagerly
             return Replayed(None, FallbackReason.PARITY_MISMATCH, drift=refused)
         recorded.state.undo()
         outputs = entry.replay()
         recorded.state.written()
+        changed = self._python_differs(entry, recorded)
+        if changed is not None:  # both put back: the call runs eagerly
+            changed.undo()
+            recorded.state.undo()
+            drift = ParityError(recorded.python_error(changed))
+            return Replayed(None, FallbackReason.PARITY_MISMATCH, drift=drift)
         error = self._check(entry, outputs, recorded, recorded.state)
-        python_error = self._python_error(entry, recorded)
-        if error is None and python_error is not None:
-            error = ParityError(python_error)
         if error is not None:
             # the replay's writes stand in for eager's; the answer is eager's
             eager = tree_map(lambda t: t.to(self._device) if isinstance(t, Tensor) else t,

@@ -146,15 +146,16 @@ class Recorded:
     python_before: PyState
     holes: HoleLog
 
-    def python_error(self, roots: Sequence[Any]) -> str | None:
-        """Why the Python-side values now differ from what the record run left, if they do
-        (checked after a replay, whose holes must change them as eager did). Objects the
-        record run did not walk (`unwatched` ones too) are not compared."""
-        now = self.python_before.changes(PyState.of(roots))
-        if now.same_as(self.state.python):
-            return None
+    def python_differs(self, roots: Sequence[Any], unwatched: Sequence[Any]) -> PyChanges | None:
+        """What a replay changed of the Python-side values, where that is not what the record
+        run changed (a replay's holes must change them as eager did); None where it is."""
+        now = self.python_before.changes(PyState.of(roots, unwatched))
+        return None if now.same_as(self.state.python) else now
+
+    def python_error(self, replayed: PyChanges) -> str:
+        """The refusal's words for a replay that changed `replayed`."""
         return (
-            f"a replay leaves the Python-side values as {now.describe() or 'they were'}, "
+            f"a replay leaves the Python-side values as {replayed.describe() or 'they were'}, "
             f"eager as {self.state.python.describe()}"
         )
 

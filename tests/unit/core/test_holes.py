@@ -139,3 +139,96 @@ def test_a_later_replay_whose_hole_returns_another_tensor_raises():
 
 def test_outside_a_capture_a_hole_is_a_plain_call():
     assert hole(lambda a, b=0: a + b, 1, b=2) == 3
+
+
+def test_a_failed_replay_retires_its_graph_and_the_key_runs_eagerly_after():
+    class Later(Table):
+        def __init__(self) -> None:
+            super().__init__()
+            self.other = torch.zeros(8, 4)
+
+        def write(self, row: torch.Tensor) -> torch.Tensor:
+            super().write(row)
+            return self.table if self.n <= 2 else self.other
+
+    runner = gg.GraphRunner(Later(), backend="sim", admission=EAGER_FIRST)
+    for _ in range(2):
+        runner(calls(1)[0])
+    with pytest.raises(HoleMismatch):
+        runner(calls(1)[0])
+    stats = runner.stats()
+    assert stats["entries"] == 0 and stats["quarantined_keys"] == 1
+    evicted = runner.metrics.registry.get_sample_value(
+        "graphguard_evictions_total", {"cause": "replay_failed"}
+    )
+    assert evicted == 1.0
+    runner(calls(1)[0])  # quarantined: eager
+    assert runner.stats()["fallbacks"] == {"quarantined": 1}
+
+
+def test_a_hole_inside_a_hole_is_part_of_it():
+    class Nested(Table):
+        def outer(self, row: torch.Tensor) -> torch.Tensor:
+            doubled = row * 2
+            return hole(self.write, doubled)  # runs inside the outer hole, as Python
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            table = hole(self.outer, torch.tanh(x))
+            return table.sum(0) + x
+
+    graphed, twin = Nested(), Nested()
+    runner, got = run(graphed)
+    assert all(torch.equal(a, twin(x)) for a, x in zip(got, calls(6), strict=True))
+    assert graphed.n == twin.n == 6 and runner.stats()["replays"] == 6
+
+
+def test_a_hole_may_return_its_own_argument_or_a_view_of_it():
+    class Returns:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def bump(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.calls += 1
+            return t.add_(1), t[:2]  # the argument itself, and a view of it
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            same, view = hole(self.bump, x * 3)
+            return same * 2 + view.sum()
+
+    graphed, twin = Returns(), Returns()
+    runner, got = run(graphed)
+    assert all(torch.equal(a, twin(x)) for a, x in zip(got, calls(6), strict=True))
+    assert runner.stats()["replays"] == 6 and graphed.calls == twin.calls == 6
+
+
+def test_a_hole_whose_value_that_is_no_tensor_changes_cannot_feed_the_graph_after_it():
+    class Counts:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def count(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+            self.n += 1
+            return x, self.n  # the graph after it baked the capture's count
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            y, n = hole(self.count, x + 1)
+            return y * n
+
+    runner = gg.GraphRunner(Counts(), backend="sim", admission=EAGER_FIRST)
+    runner(torch.ones(2))  # captured (each run from the count the call found: 1)
+    with pytest.raises(HoleMismatch, match="returned 2 where the capture saw 1"):
+        runner(torch.ones(2))
+
+
+def test_a_capture_that_fails_after_the_record_run_leaves_the_state_of_one_eager_call():
+    class Syncs(Table):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().__call__(x)
+            return out * float(out.sum())  # a host sync: the capture fails, eager does not
+
+    graphed, twin = Syncs(), Syncs()
+    runner = gg.GraphRunner(graphed, backend="sim", admission=EAGER_FIRST)
+    x = calls(1)[0]
+    assert torch.equal(runner(x), twin(x))
+    assert runner.stats()["capture_failures"] == 1
+    assert graphed.n == twin.n == 1 and torch.equal(graphed.table, twin.table)

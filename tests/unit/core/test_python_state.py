@@ -298,3 +298,56 @@ def test_the_record_run_logs_which_results_of_a_hole_it_made():
     recorded = watch_step(step, [torch.ones(2)], torch.device("cpu"), StateOptions())
     (call,) = recorded.holes.calls
     assert call.made == [False, True] and call.results[0] is table
+
+
+def test_undo_puts_back_a_dict_subclass_that_refuses_its_own_update():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class Holder:
+        def __init__(self) -> None:
+            self.out = CausalLMOutputWithPast(logits=torch.zeros(1))
+
+    holder = Holder()
+    before = PyState.of([holder])
+    holder.out["loss"] = torch.ones(1)  # a ModelOutput takes item assignment, not update()
+    changes = before.changes(PyState.of([holder]))
+    changes.undo()
+    assert list(holder.out.keys()) == ["logits"]
+    changes.redo()
+    assert list(holder.out.keys()) == ["logits", "loss"]
+
+
+def test_a_dict_reordered_is_a_change_and_a_nan_rebound_is_not():
+    from collections import OrderedDict
+
+    class Holder:
+        def __init__(self) -> None:
+            self.table = OrderedDict(a=1, b=2)
+            self.value = float("nan")
+
+    holder = Holder()
+    before = PyState.of([holder])
+    holder.table.move_to_end("a")
+    holder.value = float("nan")
+    changes = before.changes(PyState.of([holder]))
+    assert len(changes) == 1 and changes[0].owner is holder.table
+
+
+def test_a_reverified_replay_whose_step_now_changes_python_state_runs_it_once():
+    class Turns:
+        def __init__(self) -> None:
+            self.counting = False
+            self.n = 0
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            if self.counting:
+                self.n += 1
+            return x * 2
+
+    step = Turns()
+    runner = gg.GraphRunner(step, backend="sim", admission=EAGER_FIRST, verify=gg.VerifyConfig(
+        reverify_every=1))  # fmt: skip
+    runner(torch.ones(2))  # captured: no Python-side change yet
+    step.counting = True  # the caller's change; the next re-verification sees the new path
+    assert torch.equal(runner(torch.ones(2)), torch.full((2,), 2.0))
+    assert step.n == 1 and runner.stats()["fallbacks"] == {"parity_mismatch": 1}
