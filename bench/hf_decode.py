@@ -150,8 +150,11 @@ def _segmented(
     model: Any, ids: torch.Tensor, new: int, reference: torch.Tensor, prefill: float
 ) -> dict[str, Any]:
     """graphguard's segment graphs with eager attention holes: ms per step, replays, graphs,
-    and whether the tokens equal eager's."""
-    run = _graphed_twice(model, ids, new, mode="segmented")
+    and whether the tokens equal eager's (or why the model cannot be cut)."""
+    try:
+        run = _graphed_twice(model, ids, new, mode="segmented")
+    except ValueError as exc:  # a sliding-window cache, a layer not cut like Llama's
+        return dict(segmented_refused=str(exc))
     return dict(
         segmented_ms=(run.seconds - prefill) / (new - 1) * 1e3,
         segmented_first_extra_s=run.first_s - run.seconds,
@@ -283,6 +286,8 @@ def _fused_line(row: dict[str, Any]) -> str:
 
 
 def _segmented_line(row: dict[str, Any]) -> str:
+    if "segmented_refused" in row:
+        return f"{row['shape']:>10} {row['batch']:>6}  refused: {row['segmented_refused']}"
     return (
         f"{row['shape']:>10} {row['batch']:>6} {row['eager_ms']:9.2f}"
         f" {row['graphguard_ms']:9.2f} {row['segmented_ms']:13.2f}"
