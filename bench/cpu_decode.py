@@ -47,11 +47,14 @@ def measure(config: str, repeats: int) -> dict:
             (out,) = llm.generate([PROMPT], params, use_tqdm=False)
             rates.append(NEW_TOKENS / (time.perf_counter() - start))
         short = SamplingParams(temperature=0.0, max_tokens=24)
-        chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], short)
+        (chat,) = llm.chat(
+            [{"role": "user", "content": "What is the capital of France?"}], short, use_tqdm=False
+        )
         count = llm.generate(["1, 2, 3, 4,"], short, use_tqdm=False)[0]
         return dict(
             config=config, tok_s=statistics.median(rates), best_tok_s=max(rates),
-            runs_tok_s=rates, chat=chat.text, count=count.text, continuation=out.text,
+            runs_tok_s=rates, chat=chat.outputs[0].text, count=count.outputs[0].text,
+            continuation=out.outputs[0].text,
         )  # fmt: skip
     finally:
         llm.engine.shutdown()

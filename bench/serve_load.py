@@ -348,7 +348,7 @@ def offline_rate(args: argparse.Namespace) -> float:
         wall_s = time.perf_counter() - start
     finally:
         llm.engine.shutdown()
-    return round(sum(len(o.token_ids) for o in outputs) / wall_s, 1)
+    return round(sum(len(o.outputs[0].token_ids) for o in outputs) / wall_s, 1)
 
 
 def graphs_during_load(name: str, before: dict, after: dict) -> dict[str, Any]:

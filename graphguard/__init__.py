@@ -1,7 +1,8 @@
 """graphguard: bounded, verified CUDA graphs for PyTorch inference.
 
 The graph runtime is imported here; the serving engine's offline API (`graphguard.LLM`,
-`graphguard.SamplingParams`, `graphguard.CompletionOutput`) is imported on first use, so that
+`graphguard.SamplingParams`, `graphguard.RequestOutput`, `graphguard.CompletionOutput`,
+`graphguard.Logprob`) is imported on first use, so that
 `import graphguard` stays light for users of the runtime alone.
 """
 
@@ -24,6 +25,8 @@ from graphguard.version import __version__
 _LAZY = {
     "LLM": "graphguard.engine.llm",
     "CompletionOutput": "graphguard.engine.llm",
+    "RequestOutput": "graphguard.engine.llm",
+    "Logprob": "graphguard.engine.llm",
     "SamplingParams": "graphguard.engine.tokens.sampling",
 }
 
@@ -52,8 +55,10 @@ __all__ = [
     "GraphRunner",
     "KILL_SWITCH_ENV",
     "LLM",
+    "Logprob",
     "OwnerCycleError",
     "ParityError",
+    "RequestOutput",
     "RetiredEntryError",
     "SamplingParams",
     "SimBackend",

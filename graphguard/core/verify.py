@@ -120,9 +120,11 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 def describe_mismatch(graph_out: Any, eager_out: Any) -> str:
     """Where two outputs differ: per leaf, how many elements and by how much (for the log)."""
     parts = []
-    graph_leaves, _ = tree_flatten(graph_out)
-    eager_leaves, _ = tree_flatten(eager_out)
-    for i, (g, e) in enumerate(zip(graph_leaves, eager_leaves, strict=False)):
+    graph_leaves, graph_spec = tree_flatten(graph_out)
+    eager_leaves, eager_spec = tree_flatten(eager_out)
+    if graph_spec != eager_spec:
+        return f"the outputs are shaped otherwise: {graph_spec} vs {eager_spec}"
+    for i, (g, e) in enumerate(zip(graph_leaves, eager_leaves, strict=True)):
         if not isinstance(g, torch.Tensor) or not isinstance(e, torch.Tensor):
             continue
         if g.shape != e.shape or g.dtype != e.dtype:

@@ -191,6 +191,9 @@ class EngineConfig:
     overlap_decode: str = "auto"
     # reuse the KV blocks of the longest cached prefix of a prompt (scheduling/prefix_cache.py)
     prefix_caching: bool = True
+    # vLLM's: the share of the GPU's whole memory the engine may hold, its KV pool sized to
+    # what the weights leave of it; 0: half of the memory free when the pool is made
+    gpu_memory_utilization: float = 0.0
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
@@ -204,6 +207,11 @@ class EngineConfig:
             )
         if self.num_kv_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {self.num_kv_blocks}")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1] (0: by the free memory), "
+                f"got {self.gpu_memory_utilization}"
+            )
         if self.tensor_parallel_size < 1 or self.collective_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1 and collective_timeout_s > 0")
         if self.kernels not in KERNEL_CHOICES:

@@ -43,6 +43,7 @@ from graphguard.engine.step.overlap import (
 )
 from graphguard.engine.step.step_trace import StepTrace
 from graphguard.engine.tokens.detokenize import IncrementalDetokenizer
+from graphguard.engine.tokens.logits import RequestLogits
 from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob, make_generator
 from graphguard.engine.tokens.structured import GrammarCompiler
 from graphguard.kernels import kernel_set_class, select_kernels
@@ -185,6 +186,8 @@ class LLMEngine:
         ``fork_of`` names a request added before it, with the same prompt and not started
         yet: this one shares its prefill and its images (another choice of an n > 1 request).
         """
+        if params.truncate_prompt_tokens is not None:  # the prompt's last tokens only
+            prompt_token_ids = list(prompt_token_ids)[-params.truncate_prompt_tokens :]
         with self.lifecycle_lock:
             self._check_open()
             prompt_bytes = self._validate_request(request_id, prompt_token_ids, params)
@@ -196,6 +199,10 @@ class LLMEngine:
             seq.prompt_bytes = prompt_bytes
             if params.response_format is not None:
                 seq.grammar = self.grammars.matcher(params.response_format)
+            seq.logit_changes = RequestLogits.build(
+                params, prompt_token_ids, self.model_config.vocab_size,
+                self.tokenizer.eos_token_ids, self.device, self._encode_words,
+            )  # fmt: skip
             if image_input is not None:
                 seq.image_embeds, seq.image_positions = image_input
             if parent is not None:
@@ -207,8 +214,15 @@ class LLMEngine:
             if self._trace is not None:
                 self._trace.added(request_id, len(prompt_token_ids))
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.stop
-            )
+                self.tokenizer, prompt_token_ids, params.stop,
+                include_stop=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )  # fmt: skip
+
+    def _encode_words(self, text: str) -> list[int]:
+        """A bad word's tokens (graphguard.engine.tokens.logits)."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _fork_parent(
         self, fork_of: str | None, prompt_token_ids: list[int], images: list[torch.Tensor] | None

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphguard.engine.scheduling.sequence import num_blocks_for
+from graphguard.engine.tokens.params_check import check_token_range
 from graphguard.engine.tokens.sampling import SamplingParams
-from graphguard.engine.tokens.structured import InvalidParamError
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,7 @@ def check_request(
     if values.min() < 0 or values.max() >= vocab_size:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     params.validate()
-    if any(not t < vocab_size for t, _ in params.logit_bias):
-        raise InvalidParamError("logit_bias", f"logit_bias keys must be in [0, {vocab_size})")
+    check_token_range(params, vocab_size)
     max_len = min(len(prompt_token_ids) + params.max_tokens, limits.max_model_len)
     num_blocks = num_blocks_for(max_len, limits.block_size)
     if num_blocks > limits.num_usable_blocks:

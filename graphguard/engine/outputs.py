@@ -15,6 +15,7 @@ import torch
 
 from graphguard.engine.scheduling.sequence import Sequence
 from graphguard.engine.tokens.detokenize import IncrementalDetokenizer
+from graphguard.engine.tokens.logits import adjusted
 from graphguard.engine.tokens.sampling import TokenLogprob, sample, token_logprobs
 
 log = logging.getLogger("graphguard")
@@ -37,6 +38,8 @@ class RequestOutput:
     # One per prompt token (None for the first), in the request's first output only.
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why the engine ended this request on its own (finish "abort")
+    # what ended a "stop": the stop string, or the stop token id (None: end-of-sequence)
+    stop_reason: int | str | None = None
 
 
 def sample_rows(
@@ -65,9 +68,9 @@ def sample_rows(
 def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[Any]]:
     params = [s.params for s in seqs]
     allowed = [None if s.grammar is None else s.grammar.allowed_tokens() for s in seqs]
-    token_ids = sample(
-        logits, params, [s.generator for s in seqs], [s.output_token_ids for s in seqs], allowed
-    )
+    changed = adjusted(logits, [s.logit_changes for s in seqs], [s.output_token_ids for s in seqs])
+    token_ids = sample(changed, params, [s.generator for s in seqs], allowed)
+    # NOTE: log probabilities are the model's own, before the request's changes
     return token_ids, token_logprobs(logits, token_ids, [p.logprobs for p in params])
 
 
@@ -82,10 +85,14 @@ def finish_reason(
     if not seq.params.ignore_eos and token_id in eos_token_ids:
         return "stop"
     if token_id in seq.params.stop_token_ids:  # as an end of sequence: its text is left out
+        seq.stop_reason = token_id
         return "stop"
-    detokenizer.add_token(token_id)
-    if detokenizer.is_stopped or (seq.grammar is not None and seq.grammar.is_finished):
-        return "stop"  # a stop string, or the end of the response_format's document
+    detokenizer.add_token(token_id, may_stop=seq.num_output_tokens >= seq.params.min_tokens)
+    if detokenizer.is_stopped:
+        seq.stop_reason = detokenizer.stop_string
+        return "stop"
+    if seq.grammar is not None and seq.grammar.is_finished:
+        return "stop"  # the end of the response_format's document
     if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
@@ -110,6 +117,7 @@ def build_output(
         num_output_tokens=seq.num_output_tokens,
         logprobs=logprobs,
         prompt_logprobs=_take_prompt_logprobs(seq),
+        stop_reason=seq.stop_reason,
     )
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from graphguard.engine.tokens.sampling import MAX_LOGIT_BIAS
+from graphguard.engine.tokens.limits import MAX_LOGIT_BIAS
 from graphguard.engine.tokens.structured import ResponseFormat, ResponseFormatKind
 
 # A logit_bias key: a token id in decimal, without leading zeros (so distinct keys are

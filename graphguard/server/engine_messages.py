@@ -118,6 +118,7 @@ class OutputRow(NamedTuple):
     logprobs: list[TokenLogprob] | None
     prompt_logprobs: list[TokenLogprob | None] | None
     error: str | None
+    stop_reason: int | str | None
 
 
 def output_row(output: RequestOutput) -> OutputRow:
@@ -136,6 +137,7 @@ def output_row(output: RequestOutput) -> OutputRow:
             output.logprobs,
             output.prompt_logprobs,
             output.error,
+            output.stop_reason,
         ),
     )
 
@@ -157,6 +159,7 @@ def request_output(row: OutputRow, text_before: str) -> RequestOutput:
         logprobs=row.logprobs,
         prompt_logprobs=row.prompt_logprobs,
         error=row.error,
+        stop_reason=row.stop_reason,
     )
 
 

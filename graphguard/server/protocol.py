@@ -31,7 +31,7 @@ from pydantic import (
 )
 from pydantic.json_schema import JsonDict
 
-from graphguard.engine.tokens.sampling import MAX_LOGPROBS, MAX_PENALTY
+from graphguard.engine.tokens.limits import MAX_LOGPROBS, MAX_PENALTY
 from graphguard.engine.tokens.structured import ResponseFormat
 from graphguard.server.constraints import (
     LOGIT_BIAS_SCHEMA,

@@ -58,8 +58,24 @@ def auto_num_blocks(
     block_bytes = 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim
     block_bytes *= dtype.itemsize
     if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        allowance = int(free_bytes * KV_SHARE_OF_FREE_CUDA_MEMORY)
+        allowance = cuda_allowance(config.gpu_memory_utilization, device)
     else:
         allowance = KV_BYTES_ON_CPU
     return max(per_seq + 1, min(wanted, allowance // block_bytes))
+
+
+def cuda_allowance(utilization: float, device: torch.device) -> int:
+    """The KV pool's bytes on a GPU: a share of the free memory, or (vLLM's
+    gpu_memory_utilization) what that share of the whole memory leaves after what the
+    process holds already (the weights); ValueError where that is nothing."""
+    free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+    if not utilization:
+        return int(free_bytes * KV_SHARE_OF_FREE_CUDA_MEMORY)
+    held = torch.cuda.memory_reserved(device)
+    allowance = min(int(utilization * total_bytes) - held, free_bytes)
+    if allowance <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} allows {utilization * total_bytes / 2**30:.1f}"
+            f" GiB, and the weights hold {held / 2**30:.1f} GiB already: no room for the KV cache"
+        )
+    return allowance

@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from graphguard.engine.tokens.logits import RequestLogits
 from graphguard.engine.tokens.sampling import SamplingParams, TokenLogprob
 from graphguard.engine.tokens.structured import TokenMatcher
 
@@ -52,6 +53,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop string or token that ended it
         # Image input: embeddings [len(image_positions), hidden] replace the input embeddings
         # of the prompt tokens at image_positions during prefill (graphguard.engine.models.vision).
         self.image_embeds: torch.Tensor | None = None
@@ -61,6 +63,8 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.prompt_logprobs_sent = False
         self.grammar: TokenMatcher | None = None  # params.response_format's place, if any
+        # params' bias, bans and penalties as tensors (graphguard.engine.tokens.logits)
+        self.logit_changes: RequestLogits | None = None
         self.forks: list[Sequence] = []
         self.prefix_hashes: list[
             bytes

@@ -79,7 +79,7 @@ def decodes_ahead(seq: Sequence, max_model_len: int) -> bool:
     params = seq.params
     if not seq.is_running or seq.grammar is not None:
         return False
-    if not params.is_greedy or params.logit_bias or params.has_penalties:
+    if not params.is_greedy or params.adjusts_logits or params.min_tokens:
         return False
     if params.logprobs is not None:
         return False

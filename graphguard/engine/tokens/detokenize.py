@@ -20,7 +20,12 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 seq
 
 
 class Decoder(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool | None = None,
+    ) -> str: ...
 
 
 class StopMatcher:
@@ -35,10 +40,10 @@ class StopMatcher:
         self._fallback = [_failure_table(s) for s in stop]
         self._matched = [0] * len(stop)  # per stop string: how much of it the text ends with
 
-    def feed(self, text: str, start: int) -> tuple[int, int] | None:
+    def feed(self, text: str, start: int) -> tuple[int, int, str] | None:
         """Take `text[start:]`, the new part of the text; where the earliest stop string that
-        completes in it begins and ends, if any."""
-        found: tuple[int, int] | None = None
+        completes in it begins and ends, and which it is, if any."""
+        found: tuple[int, int, str] | None = None
         for end in range(start, len(text)):
             char = text[end]
             for i, stop in enumerate(self._stop):
@@ -50,7 +55,7 @@ class StopMatcher:
                 if matched == len(stop):
                     begin = end + 1 - matched
                     if found is None or begin < found[0]:
-                        found = (begin, end + 1)
+                        found = (begin, end + 1, stop)
                     matched = self._fallback[i][matched - 1]
                 self._matched[i] = matched
         return found
@@ -101,14 +106,16 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded output text, cut at a stop string once one is seen
         self._num_emitted_chars = 0
         self.is_stopped = False  # a stop string was found; the request must finish
+        self.stop_string: str | None = None  # which one
 
     @property
     def text(self) -> str:
         """The text emitted so far (the sum of all deltas)."""
         return self._text[: self._num_emitted_chars]
 
-    def add_token(self, token_id: int) -> None:
-        """Decode one more output token; sets ``is_stopped`` when a stop string completes."""
+    def add_token(self, token_id: int, may_stop: bool = True) -> None:
+        """Decode one more output token; sets ``is_stopped`` when a stop string completes in
+        its text (one that completes while not `may_stop`, before min_tokens, ends nothing)."""
         if self.is_stopped:
             return
         self._ids.append(token_id)
@@ -117,9 +124,9 @@ class IncrementalDetokenizer:
             num_old_chars = len(self._text)
             self._text += delta
             found = self._stops.feed(self._text, num_old_chars)
-            if found is not None:
+            if found is not None and may_stop:
                 self._text = self._text[: found[1] if self._include_stop else found[0]]
-                self.is_stopped = True
+                self.is_stopped, self.stop_string = True, found[2]
 
     def take_delta(self, is_final: bool) -> str:
         """Text not yet emitted; a possible stop-string prefix is kept back unless final."""
@@ -144,9 +151,8 @@ class IncrementalDetokenizer:
 
 
 def _decode_options(skip_special_tokens: bool, spaces_between: bool) -> dict[str, bool]:
-    """The decode keywords; `spaces_between_special_tokens` only where it is not the default
-    (not every tokenizer takes it)."""
+    """The decode keywords (the joining of special tokens matters only where they are kept)."""
     options = {"skip_special_tokens": skip_special_tokens}
-    if not spaces_between:
-        options["spaces_between_special_tokens"] = False
+    if not skip_special_tokens:
+        options["spaces_between_special_tokens"] = spaces_between
     return options

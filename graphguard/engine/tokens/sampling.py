@@ -1,132 +1,112 @@
-"""Sampling parameters and the batched sampler (logit bias, grammar masks, penalties, greedy,
-temperature, top-k, top-p, seeds)."""
+"""Sampling parameters and the batched sampler (grammar masks, greedy, temperature, top-k,
+min-p, top-p, seeds); a request's bias, bans and penalties are graphguard.engine.tokens.logits'."""
 
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from graphguard.engine.tokens.structured import InvalidParamError, ResponseFormat
+from graphguard.engine.tokens.limits import GREEDY_BELOW_TEMPERATURE
+from graphguard.engine.tokens.params_check import validate_params
+from graphguard.engine.tokens.structured import ResponseFormat
 
-MAX_TEMPERATURE = 100.0
-GREEDY_BELOW_TEMPERATURE = 1e-5
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in the OpenAI API
-MAX_LOGPROBS = 20  # alternatives per token, the OpenAI chat limit
-MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100], as in the OpenAI API
 SEED_MASK = (1 << 64) - 1
 FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct choices of one seed get distinct seeds
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens and when it stops.
+    """How one request picks its tokens and when it stops; vLLM's names and meanings.
 
-    ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` switch those filters off;
-    ``seed`` makes a request's draws reproducible whatever else shares its batch. Penalties
-    follow the OpenAI API: before any other step, each token's logit is lowered by
-    ``frequency_penalty`` times the number of times the request has generated it, and by
-    ``presence_penalty`` once if it has generated it at all (greedy rows included).
-    ``logprobs`` asks for each generated token's log probability and its ``logprobs`` most
-    likely alternatives, from the model's distribution (before penalties and temperature);
-    ``prompt_logprobs`` the same for each prompt token after the first (the prefill computes
-    them, and the request's first output carries them). ``logit_bias`` adds its bias to its
-    token's logit before anything else (OpenAI semantics: -100 bans a token, 100 all but
-    forces it); ``response_format`` confines the output to a JSON grammar
-    (graphguard.engine.tokens.structured). ``stop_token_ids`` end the request like an
-    end-of-sequence token (``ignore_eos`` aside): the token is kept among its output ids and
-    its text is left out.
+    ``temperature == 0`` is greedy; ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` switch
+    those filters off (``min_p`` drops the tokens less likely than that share of the likeliest,
+    after temperature); ``seed`` makes a request's draws reproducible whatever else shares its
+    batch. Penalties apply before everything but the bias: each token's logit is lowered by
+    ``frequency_penalty`` times the number of times the request has generated it and by
+    ``presence_penalty`` once if it has (the OpenAI API's), and every token of the prompt or the
+    output is divided by ``repetition_penalty`` where its logit is positive, multiplied where
+    negative (transformers' and vLLM's). ``logprobs`` asks for each generated token's log
+    probability and its ``logprobs`` most likely alternatives, from the model's distribution
+    (before penalties and temperature); ``prompt_logprobs`` the same for each prompt token
+    after the first. ``logit_bias`` adds its bias to its token's logit before anything else
+    (-100 bans a token, 100 all but forces it); ``allowed_token_ids`` bans every other token;
+    ``bad_words`` bans each word's token sequence (with and without a leading space) from the
+    output; ``min_tokens`` bans the end-of-sequence and ``stop_token_ids`` tokens, and stop
+    strings end nothing, until that many tokens are out. ``response_format`` confines the
+    output to a grammar (graphguard.engine.tokens.structured). ``stop_token_ids`` end the
+    request like an end-of-sequence token (``ignore_eos`` aside): the token is kept among its
+    output ids and its text is left out; a stop string is cut from the text unless
+    ``include_stop_str_in_output``. ``skip_special_tokens`` and
+    ``spaces_between_special_tokens`` are the detokenizer's; ``truncate_prompt_tokens`` keeps
+    only the prompt's last tokens. ``n`` choices of one prompt (the offline API and the server
+    run one engine request each, forked from the first).
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; k >= 0: the chosen token and the k most likely
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids distinct
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
+
+    def __post_init__(self) -> None:
+        # NOTE: vLLM's callers pass lists, a string stop and a dict bias: kept as tuples, so
+        # that the params stay hashable and immutable
+        for name in ("stop", "bad_words"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, (value,))
+            elif isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):
+            pairs = tuple((int(k), float(v)) for k, v in self.logit_bias.items())
+            object.__setattr__(self, "logit_bias", pairs)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field whose value cannot be honoured."""
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or math.isnan(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise ValueError(
-                f"max_tokens must be an integer >= 0 (0: prefill and score the prompt only), "
-                f"got {self.max_tokens!r}"
-            )
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if _as_float32(self.top_p) == 0.0:
-            # the sampler compares in float32, where this top_p would keep no token at all
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (0 in float32)")
-        self._validate_counts()
-        self._validate_logit_bias()
-        if self.response_format is not None and not isinstance(
-            self.response_format, ResponseFormat
-        ):
-            raise InvalidParamError("response_format", "response_format must be a ResponseFormat")
-
-    def _validate_counts(self) -> None:
-        """Penalties, top_k, logprob counts, the seed and stop strings."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(
-                    f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                    f"got {getattr(self, name)!r}"
-                )
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            is_count = isinstance(value, int) and not isinstance(value, bool)
-            if value is not None and (not is_count or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(
-                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
-                )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must fit a signed 64-bit integer, got {self.seed!r}")
-        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
-
-    def _validate_logit_bias(self) -> None:
-        token_ids = [token_id for token_id, _ in self.logit_bias]
-        if any(type(t) is not int or t < 0 for t in token_ids) or len(set(token_ids)) != len(
-            token_ids
-        ):
-            raise InvalidParamError("logit_bias", "logit_bias keys must be distinct token ids >= 0")
-        for token_id, bias in self.logit_bias:
-            if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise InvalidParamError(
-                    "logit_bias",
-                    f"logit_bias of token {token_id} must be a number in "
-                    f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}",
-                )
+        validate_params(self)
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the host changes this request's logits before it picks (a sampler that
+        only takes the argmax on the device would pick another token)."""
+        return bool(
+            self.has_penalties or self.logit_bias or self.allowed_token_ids is not None
+            or self.bad_words or self.min_tokens
+        )  # fmt: skip
 
     @property
     def is_greedy(self) -> bool:
@@ -175,12 +155,6 @@ def fork_seed(seed: int, index: int) -> int:
     return derived - (1 << 64) if derived >= 1 << 63 else derived
 
 
-def _as_float32(value: float) -> float:
-    """`value` rounded to float32, as the sampler holds it (a tensor would cost the server's
-    event loop about 20 us a request)."""
-    return float(struct.unpack("f", struct.pack("f", value))[0])
-
-
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     """A private generator for one request, so its draws do not depend on its neighbours."""
     generator = torch.Generator(device=device)
@@ -192,24 +166,16 @@ def sample(
     logits: Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    output_token_ids: Sequence[Sequence[int]] | None = None,
     allowed: Sequence[Tensor | None] | None = None,
 ) -> list[int]:
-    """Pick one token per row. logits: [num_rows, vocab] float32, real rows only;
-    `output_token_ids`: each row's generated tokens so far (needed by penalties); `allowed`:
-    per row, None or a bool [vocab] mask of the only tokens it may pick (its grammar)."""
+    """Pick one token per row. logits: [num_rows, vocab], real rows only, each request's own
+    changes applied already (graphguard.engine.tokens.logits); `allowed`: per row, None or a
+    bool [vocab] mask of the only tokens it may pick (its grammar)."""
     if logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("sample() needs exactly one params and one generator per logits row")
     logits = logits.float()
-    if any(p.logit_bias for p in params):
-        logits = _apply_logit_bias(logits, params)
     if allowed is not None and any(mask is not None for mask in allowed):
         logits = _apply_masks(logits, allowed)
-    penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    if penalized:
-        if output_token_ids is None or len(output_token_ids) != len(params):
-            raise ValueError("penalties need each row's output_token_ids")
-        logits = _apply_penalties(logits, penalized, params, output_token_ids)
     token_ids = torch.argmax(logits, dim=-1)  # [num_rows]; the answer for greedy rows
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
@@ -228,7 +194,7 @@ def _sample_random_rows(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> Tensor:
-    """Temperature, then top-k and top-p in sorted space, then one draw per row."""
+    """Temperature, then top-k, min-p and top-p in sorted space, then one draw per row."""
     device = logits.device
     temperatures = torch.tensor([p.temperature for p in params], device=device)
     # Shift by the row max first: the largest scaled logit is 0, so no temperature overflows.
@@ -240,43 +206,15 @@ def _sample_random_rows(
     ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_ks.unsqueeze(1), -math.inf)
     probs = torch.softmax(sorted_logits, dim=-1)
+    # min_p: drop what is less likely than that share of the likeliest (sorted first)
+    min_ps = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    probs = probs.masked_fill(probs < min_ps.unsqueeze(1) * probs[:, :1], 0.0)
     top_ps = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
     # A token is kept when the mass strictly before it is below top_p (the first always is).
     mass_before = torch.cumsum(probs, dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_ps.unsqueeze(1), 0.0)
     picks = [torch.multinomial(probs[i], 1, generator=generators[i]) for i in range(len(params))]
     return sorted_ids.gather(1, torch.stack(picks)).squeeze(1)
-
-
-def _apply_penalties(
-    logits: Tensor,
-    rows: list[int],
-    params: Sequence[SamplingParams],
-    output_token_ids: Sequence[Sequence[int]],
-) -> Tensor:
-    """Lower the logits of tokens each penalized row has generated (a copy; only those rows)."""
-    logits = logits.clone()
-    vocab_size = logits.shape[1]
-    for i in rows:
-        if not output_token_ids[i]:
-            continue
-        ids = torch.tensor(output_token_ids[i], device=logits.device)
-        counts = torch.bincount(ids, minlength=vocab_size)[:vocab_size].to(logits.dtype)
-        penalty = params[i].frequency_penalty * counts + params[i].presence_penalty * (counts > 0)
-        logits[i] -= penalty
-    return logits
-
-
-def _apply_logit_bias(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
-    """Add each row's biases to its logits (a copy; rows without a bias are untouched)."""
-    logits = logits.clone()
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            ids, biases = zip(*p.logit_bias, strict=True)
-            index = torch.tensor(ids, device=logits.device)
-            values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-            logits[i].index_add_(0, index, values)
-    return logits
 
 
 def _apply_masks(logits: Tensor, allowed: Sequence[Tensor | None]) -> Tensor:

@@ -85,6 +85,11 @@ class Tokenizer:
         )
 
     @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` tokenizer underneath (what a transformers tokenizer wraps)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
@@ -97,8 +102,30 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+    def decode(
+        self,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool | None = None,
+    ) -> str:
+        """The text of `ids`. With special tokens kept, `spaces_between_special_tokens` True
+        puts a space between a special token and the text beside it, False none (vLLM's
+        option); None leaves the joining to the tokenizer (it puts none)."""
+        if skip_special_tokens or spaces_between_special_tokens is None:
+            return str(self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in self._special_ids:
+                if run:
+                    pieces.append(str(self._tokenizer.decode(run)))
+                    run = []
+                pieces.append(self._added_text[token_id])
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(str(self._tokenizer.decode(run)))
+        return (" " if spaces_between_special_tokens else "").join(pieces)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
@@ -124,20 +151,63 @@ class Tokenizer:
             return bytes([int(fallback.group(1), 16)])
         return piece.replace("\u2581", " ").encode()
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template (the tokenizer's, or `chat_template`) applied to ``messages``, as
+        text, as transformers renders it: `tools` and `template_kwargs` are the template's
+        variables; `continue_final_message` leaves the last (assistant) message open, so that
+        generation continues it (no generation prompt then)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        template = self._template_of(chat_template)
+        variables = {
+            **self.special_tokens,
+            **(template_kwargs or {}),
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools is not None:
+            variables["tools"] = tools
+        text = str(template.render(**variables))
+        if continue_final_message:
+            text = _open_final_message(text, messages)
+        return text
+
+    def _template_of(self, chat_template: str | None) -> Any:
+        if chat_template is not None:
+            return _compile_template(chat_template)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        variables = {"messages": messages, "add_generation_prompt": add_generation_prompt}
-        return str(self._template.render(**variables, **self.special_tokens))
+        return self._template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True, **options: Any
     ) -> list[int]:
-        """Token ids of the rendered chat; the template itself places any special tokens."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        """Token ids of the rendered chat (render_chat's options); the template itself places
+        any special tokens."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, **options), False)
+
+
+def _open_final_message(text: str, messages: list[dict]) -> str:
+    """`text` cut right after the last message's content, as transformers does for
+    continue_final_message (the template's end-of-turn markup after it is dropped)."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    end = text.rfind(final.strip())
+    if end < 0:
+        raise ValueError("the chat template does not render the final message's content")
+    return text[: end + len(final.strip())]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -33,7 +33,7 @@ def test_the_tiny_model_loads_generates_and_is_written_the_same_twice(tmp_path: 
         assert llm.engine.tokenizer.vocab_size == config["vocab_size"] == 49152
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         (output,) = llm.generate(["Hello there"], params, use_tqdm=False)
-        assert len(output.token_ids) == 4
+        assert len(output.outputs[0].token_ids) == 4
     finally:
         llm.engine.shutdown()
 

@@ -46,6 +46,8 @@ def test_every_output_leaf_and_the_structure_are_compared():
 def test_allclose_admits_within_its_tolerances_only():
     close = VerifyConfig("allclose", rtol=0.0, atol=0.1)
     assert outputs_match(t(1.0), t(1.05), close) and not outputs_match(t(1.0), t(1.2), close)
+    relative = VerifyConfig("allclose", rtol=0.1, atol=0.0)
+    assert outputs_match(t(10.0), t(10.5), relative) and not outputs_match(t(1.0), t(1.5), relative)
     assert outputs_match(t(NAN), t(NAN), close)
     with pytest.raises(ValueError, match="rtol and atol"):
         VerifyConfig("allclose", rtol=0.1)
@@ -90,9 +92,21 @@ def test_spread_error_names_each_output_farther_than_eagers_spread():
 
 
 def test_a_mismatch_says_which_output_how_many_elements_in_how_many_rows_and_how_far():
-    graph = (t(1.0, 2.0), torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
-    eager = (t(1.0, 2.0), torch.tensor([[1.0, 2.5], [3.0, 4.0], [0.0, 6.0]]))
-    assert describe_mismatch(graph, eager) == "out1: 2/6 elements in 2 rows, max |diff| 5"
+    graph = (t(1.0, 2.0), torch.tensor([[1.0, 2.0, 3.0], [3.0, 4.0, 5.0]]))
+    eager = (t(1.0, 2.0), torch.tensor([[1.5, 2.5, 3.0], [3.0, 4.0, 5.0]]))
+    assert describe_mismatch(graph, eager) == "out1: 2/6 elements in 1 rows, max |diff| 0.5"
+
+
+def test_every_differing_output_is_described_past_the_ones_skipped():
+    graph = ("name", t(1.0), t(1.0, 2.0), "x", t(5.0), t(7.0))
+    eager = ("name", "y", t(1.0), t(1.0), t(6.0), t(9.0))
+    assert describe_mismatch(graph, eager) == (
+        "out2: (2,)/torch.float32 vs (1,)/torch.float32; out4: 1/1 elements in 1 rows, "
+        "max |diff| 1; out5: 1/1 elements in 1 rows, max |diff| 2"
+    )
+    assert describe_mismatch((t(1.0), t(2.0)), (t(1.0),)).startswith(
+        "the outputs are shaped otherwise"
+    )
 
 
 def test_a_mismatch_of_shapes_dtypes_nans_and_integers_is_described():

@@ -41,7 +41,7 @@ def test_the_documented_offline_example(embedded_model: LoadedModel):
     llm = gg.LLM(embedded_model, max_model_len=256)
     params = gg.SamplingParams(temperature=0.0, max_tokens=8)
     (out,) = llm.generate(["The capital of France is"], params, use_tqdm=False)
-    assert out.text.startswith(" Paris.")
-    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)
-    assert "Paris" in reply.text
+    assert out.outputs[0].text.startswith(" Paris.")
+    (reply,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)
+    assert "Paris" in reply.outputs[0].text
     llm.engine.shutdown()

@@ -117,40 +117,6 @@ def test_a_tiny_temperature_samples_the_argmax_instead_of_failing():
     assert sample(logits, [tiny, small], gens) == [1, 2]
 
 
-def greedy(**penalties: float) -> SamplingParams:
-    return SamplingParams(temperature=0.0, **penalties)
-
-
-def test_frequency_penalty_lowers_a_logit_per_occurrence() -> None:
-    # Token 1 leads token 2 by 3.0; generated twice, a 2.0 frequency penalty costs it 4.0.
-    logits = torch.tensor([[0.0, 5.0, 2.0, 0.0]])
-    assert sample(logits, [greedy(frequency_penalty=2.0)], [None], [[1]]) == [1]
-    assert sample(logits, [greedy(frequency_penalty=2.0)], [None], [[1, 1]]) == [2]
-
-
-def test_presence_penalty_lowers_a_generated_token_once() -> None:
-    logits = torch.tensor([[0.0, 5.0, 2.0, 0.0]])
-    # Three occurrences cost 2.5 once: 5.0 - 2.5 still beats 2.0.
-    assert sample(logits, [greedy(presence_penalty=2.5)], [None], [[1, 1, 1]]) == [1]
-    # A negative penalty favours tokens already generated.
-    assert sample(logits, [greedy(presence_penalty=-2.0)], [None], [[3]]) == [1]
-    assert sample(logits, [greedy(presence_penalty=-2.0, frequency_penalty=-2.0)], [None],
-                  [[2]]) == [2]  # fmt: skip
-
-
-def test_penalties_touch_only_their_own_row() -> None:
-    logits = torch.tensor([[0.0, 5.0, 2.0, 0.0], [0.0, 5.0, 2.0, 0.0]])
-    params = [greedy(frequency_penalty=2.0), greedy()]
-    assert sample(logits, params, [None, None], [[1, 1], [1, 1]]) == [2, 1]
-    assert logits[0, 1] == 5.0  # the caller's logits are not modified
-
-
-def test_penalties_without_the_generated_tokens_are_refused() -> None:
-    logits = torch.tensor([[0.0, 5.0]])
-    with pytest.raises(ValueError, match="output_token_ids"):
-        sample(logits, [greedy(presence_penalty=1.0)], [None])
-
-
 def test_token_logprobs_are_log_softmax_of_the_chosen_token_with_the_best_alternatives() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.5], [0.0, 0.0, 4.0, 1.0], [9.0, 0.0, 0.0, 0.0]])
     result = token_logprobs(logits, [2, 2, 0], [2, 0, None])

@@ -127,11 +127,11 @@ def test_the_4bit_engine_repeats_itself_alone_and_batched() -> None:
     try:
         assert llm.engine.kernels.name == "torch-q4"
         prompt = "The capital of France is"
-        alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
-        assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == alone
+        alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == alone
         others = ["1, 2, 3, 4,", "Once upon a time", "def add(a, b):"]
         batched = llm.generate([*others, prompt], params, use_tqdm=False)
-        assert batched[-1].token_ids == alone
+        assert batched[-1].outputs[0].token_ids == alone
         with pytest.raises(RuntimeError, match="q4"):
             llm.engine.reload_weights(dict(llm.engine.model.state_dict()))
     finally:
