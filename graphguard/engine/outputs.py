@@ -82,10 +82,14 @@ def finish_reason(
     max_model_len: int,
 ) -> str | None:
     """Why `seq` ends with `token_id` (appended already), or None; feeds the detokenizer."""
-    if not seq.params.ignore_eos and token_id in eos_token_ids:
-        return "stop"
-    if token_id in seq.params.stop_token_ids:  # as an end of sequence: its text is left out
-        seq.stop_reason = token_id
+    ends = not seq.params.ignore_eos and token_id in eos_token_ids
+    if ends or token_id in seq.params.stop_token_ids:
+        # an end of sequence: its text is left out unless include_stop_str_in_output keeps it
+        # (seen only where skip_special_tokens is off, as a special token's text is skipped)
+        if seq.params.include_stop_str_in_output:
+            detokenizer.add_token(token_id, may_stop=False)
+        if not ends:
+            seq.stop_reason = token_id
         return "stop"
     detokenizer.add_token(token_id, may_stop=seq.num_output_tokens >= seq.params.min_tokens)
     if detokenizer.is_stopped:

@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from graphguard.engine.engine import LLMEngine
+from graphguard.engine.generation_config import generation_defaults
+from graphguard.engine.tokens.tokenizer import read_template
 from graphguard.server import protocol as p
 from graphguard.server import responses as r
 from graphguard.server import tokenization as tok
@@ -53,6 +55,9 @@ def build_app(engine: LLMEngine | ServedEngine, config: ServerConfig) -> FastAPI
         vocab_size=info.model_config.vocab_size,
         max_pool_tokens=info.stats["kv_blocks_total"] * info.block_size,
         max_token_chars=info.tokenizer.max_token_chars,
+        permissive=config.permissive,
+        defaults=generation_defaults(config.generation_config, info.model_folder),
+        chat_template=read_template(config.chat_template),
     )
 
     @asynccontextmanager

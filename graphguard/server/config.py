@@ -57,6 +57,14 @@ class ServerConfig:
     engine_process: bool = True
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
+    # A request field this server does not know is a 400 naming it; permissive ignores it
+    # (with a log line), as vLLM does, for clients that send fields of other servers.
+    permissive: bool = False
+    # vLLM's --generation-config: the sampling defaults of fields a request does not set
+    # (graphguard/engine/generation_config.py): "auto", "vllm" or a folder.
+    generation_config: str = "auto"
+    # A chat template (a file's path, or the template itself) in place of the model's.
+    chat_template: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import ConfigDict, Field, StrictBool
 
 from graphguard.engine.tokens.limits import MAX_LOGIT_BIAS
 from graphguard.engine.tokens.structured import ResponseFormat, ResponseFormatKind
+from graphguard.server.fields import RequestBody
 
 # A logit_bias key: a token id in decimal, without leading zeros (so distinct keys are
 # distinct ids, as the document can state).
@@ -26,7 +27,7 @@ LOGIT_BIAS_SCHEMA: dict[str, Any] = {
 }
 
 
-class Body(BaseModel):
+class Body(RequestBody):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 

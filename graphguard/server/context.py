@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from graphguard.engine.tokens.tokenizer import Tokenizer
@@ -49,6 +49,10 @@ class ServingContext:
     # cannot fit the context: it is refused before the tokenizer reads it (tokenizing
     # megabytes holds the interpreter for seconds).
     max_token_chars: int
+    permissive: bool = False  # unknown request fields ignored (logged), not a 400
+    # SamplingParams defaults of the fields a request does not set (the generation config)
+    defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # in place of the model's
 
     def check_length(self, texts: list[str], param: str) -> None:
         """Refuse texts that cannot fit the context whatever they tokenize to, cheaply."""

@@ -70,6 +70,7 @@ class EngineInfo:
     vision: VisionSpec | None
     description: list[str]  # startup lines: device, dtype, kernels, graphs
     has_graph_metrics: bool  # graphs are on: /metrics shows their registry
+    model_folder: str | None = None  # where the weights came from (its generation config)
 
 
 # ---- server -> engine ------------------------------------------------------------------------

@@ -75,6 +75,7 @@ def engine_info(engine: LLMEngine, pid: int) -> m.EngineInfo:
         vision=spec,
         description=describe_engine(engine),
         has_graph_metrics=engine.graph_registry is not None,
+        model_folder=None if engine.loaded.folder is None else str(engine.loaded.folder),
     )
 
 

@@ -1,4 +1,4 @@
-"""What every request body shares: the base model (unknown fields ignored and logged, no NaN
+"""What every request body shares: the base model (unknown fields noted, no NaN
 or infinities), integer fields that take `2.0` as 2, and the text and "off value" checks."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PrivateAttr,
     StrictInt,
     ValidationInfo,
     field_validator,
@@ -90,25 +91,43 @@ def valid_texts(value: str | list[Any] | None) -> None:
 
 
 class RequestBody(BaseModel):
-    """A request body or a part of one. Fields it does not declare are ignored, each time with
-    a warning in the server's log, as vLLM does: the client gets its answer, and the operator
-    can see that a (perhaps misspelled) field was dropped."""
+    """A request body or a part of one. Fields it does not declare are noted
+    (`unknown_fields`): the server refuses a request that has any, naming them, unless it is
+    permissive, when they are ignored with a warning in its log, as vLLM does."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _unknown: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="wrap")
     @classmethod
-    def _log_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
+    def _note_unknown_fields(cls, data: Any, handler: ModelWrapValidatorHandler[Self]) -> Self:
         body = handler(data)
-        unknown = sorted(set(data) - set(cls.model_fields)) if isinstance(data, dict) else []
-        if unknown:
-            # NOTE: names are the client's: cut to size, and %r escapes what they hold
-            shown = [str(name)[:64] for name in unknown[:MAX_UNKNOWN_FIELDS_LOGGED]]
-            more = len(unknown) - len(shown)
-            logger.warning(
-                "%s: ignored fields this server does not know: %r%s",
-                cls.__name__,
-                shown,
-                f" and {more} more" if more else "",
-            )
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            # NOTE: names are the client's: cut to size where they are shown
+            body._unknown = sorted(str(name)[:64] for name in set(data) - known)
         return body
+
+
+def unknown_fields(body: BaseModel, path: str = "") -> list[str]:
+    """The fields of `body` and of the bodies in it that they do not declare, by their path
+    (`messages[0].names`)."""
+    found = [path + name for name in getattr(body, "_unknown", [])]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for index, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{path}{name}[{index}]." if isinstance(value, list) else f"{path}{name}."
+                found += unknown_fields(item, where)
+    return found
+
+
+def log_unknown_fields(names: list[str], kind: str) -> None:
+    """The warning a permissive server writes for the fields it ignored."""
+    shown = names[:MAX_UNKNOWN_FIELDS_LOGGED]
+    more = len(names) - len(shown)
+    logger.warning(
+        "%s: ignored fields this server does not know: %r%s",
+        kind, shown, f" and {more} more" if more else "",
+    )  # fmt: skip

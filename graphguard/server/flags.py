@@ -152,6 +152,14 @@ FLAGS: dict[str, Flag] = {
         switch=True,
         no_=True,
     ),
+    "gpu_memory_utilization": Flag(
+        "engine",
+        "the share of the GPU's whole memory the engine may hold, its KV pool sized to what "
+        "the weights leave of it, as vLLM's flag; 0 sizes the pool by the free memory (see "
+        "--num-kv-blocks) (default: {default})",
+        type=float,
+        metavar="F",
+    ),
     "tensor_parallel_size": Flag(
         "engine",
         "ranks of tensor parallelism, one process and one GPU each; rank 0 serves, every rank "
@@ -271,6 +279,24 @@ FLAGS: dict[str, Flag] = {
         "engine thread to let it run (default: {default})",
         type=float,
         metavar="MS",
+    ),
+    "permissive": Flag(
+        "server",
+        "ignore request fields this server does not know (each logged), as vLLM does, "
+        "instead of answering 400 with their names",
+        switch=True,
+    ),
+    "generation_config": Flag(
+        "server",
+        "the sampling defaults of what a request does not set: auto reads the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens), vllm uses none, a folder reads its file (default: {default})",
+        metavar="auto|vllm|FOLDER",
+    ),
+    "chat_template": Flag(
+        "server",
+        "a Jinja chat template, or a file holding one, in place of the model's",
+        metavar="TEMPLATE",
     ),
     "engine_process": Flag(
         "server",

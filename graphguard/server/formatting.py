@@ -130,8 +130,10 @@ class CompletionFormat:
         tokenizer: Tokenizer,
         prompts: Sequence[CompletionPrompt],
         with_logprobs: bool = False,
+        with_prompt_logprobs: bool = False,
     ) -> None:
         self.request_id = response_id("cmpl")
+        self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
         self.created = int(time.time())
         self.model = model
         self.tokenizer = tokenizer
@@ -164,10 +166,15 @@ class CompletionFormat:
         return self._response([], usage)
 
     def response(self, outputs: list[ChoiceOutput], usage: r.Usage) -> BaseModel:
-        choices = [
-            self._choice(i, o.output.text, o.output.finish_reason, o.logprobs, o.prompt_logprobs)
-            for i, o in enumerate(outputs)
-        ]
+        choices = []
+        for i, o in enumerate(outputs):
+            choice = self._choice(
+                i, o.output.text, o.output.finish_reason, o.logprobs, o.prompt_logprobs
+            )
+            choice.stop_reason = o.output.stop_reason
+            if self.with_prompt_logprobs:
+                choice.prompt_logprobs = vllm_prompt_logprobs(o.prompt_logprobs, self.tokenizer)
+            choices.append(choice)
         return self._response(choices, usage)
 
     def _response(
@@ -216,6 +223,35 @@ class CompletionFormat:
         return logprobs
 
 
+def vllm_prompt_logprobs(
+    logprobs: list[TokenLogprob | None] | None, tokenizer: Tokenizer
+) -> r.PromptLogprobs | None:
+    """A prompt's log probabilities as vLLM's responses give them."""
+    if logprobs is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    found: r.PromptLogprobs = []
+    for lp in logprobs:
+        if lp is None:
+            found.append(None)
+            continue
+        ranks = {token_id: rank for rank, (token_id, _) in enumerate(lp.top, start=1)}
+        pairs = [(lp.token_id, lp.logprob), *lp.top]
+        entry: dict[str, r.PromptLogprob] = {}
+        for token_id, value in pairs:
+            entry.setdefault(
+                str(token_id),
+                r.PromptLogprob(
+                    logprob=value, rank=ranks.get(token_id), decoded_token=text(token_id)
+                ),
+            )
+        found.append(entry)
+    return found
+
+
 def _entries(logprobs: list[TokenLogprob]) -> list[_Entry]:
     return [(lp.token_id, lp.logprob, lp.top, False) for lp in logprobs]
 
@@ -224,8 +260,17 @@ class ChatFormat:
     """Shapes outputs as /v1/chat/completions objects."""
 
     def __init__(
-        self, model: str, tokenizer: Tokenizer, with_logprobs: bool = False, num_choices: int = 1
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        with_logprobs: bool = False,
+        num_choices: int = 1,
+        with_prompt_logprobs: bool = False,
+        echo: str = "",
     ) -> None:
+        self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
+        # vLLM's chat echo: the text the answer begins with (each choice's first chunk)
+        self._echo = [echo] * num_choices
         self.request_id = response_id("chatcmpl")
         self.created = int(time.time())
         self.model = model
@@ -256,6 +301,8 @@ class ChatFormat:
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
     ) -> str:
         """The JSON of choice `index`'s next streamed chunk."""
+        if self._echo[index]:
+            delta, self._echo[index] = self._echo[index] + delta, ""
         if not (self.with_logprobs and logprobs):
             return self._template.render(index, delta or None, finish_reason)
         choice = r.ChatChunkChoice(
@@ -273,15 +320,20 @@ class ChatFormat:
         choices = [
             r.ChatChoice(
                 index=i,
-                message=r.AssistantMessage(content=o.output.text),
+                message=r.AssistantMessage(content=self._echo[i] + o.output.text),
                 finish_reason=o.output.finish_reason,
                 logprobs=self._logprobs(o.logprobs),
+                stop_reason=o.output.stop_reason,
             )
             for i, o in enumerate(outputs)
         ]
+        prompt_logprobs = None
+        if self.with_prompt_logprobs and outputs:
+            prompt_logprobs = vllm_prompt_logprobs(outputs[0].prompt_logprobs, self.tokenizer)
         return r.ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
+            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            usage=usage, prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
 
     def _chunk_of(
         self, choices: list[r.ChatChunkChoice], usage: r.Usage | None = None

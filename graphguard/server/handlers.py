@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
 from torch import Tensor
 
 from graphguard.engine.tokens.sampling import SamplingParams, fork_seed
@@ -28,13 +29,14 @@ from graphguard.server.async_engine import EngineClosedError, EngineRequest
 from graphguard.server.choices import Choice, collect, sse_events, usage
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
+from graphguard.server.fields import log_unknown_fields, unknown_fields
 from graphguard.server.formatting import (
     ChatFormat,
     CompletionFormat,
     CompletionPrompt,
     OutputFormat,
 )
-from graphguard.server.images import chat_prompt
+from graphguard.server.images import ChatRendering, chat_prompt
 from graphguard.server.metrics import RequestTrace
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
@@ -44,6 +46,7 @@ async def create_completion(
     ctx: ServingContext, http_request: Request, body: p.CompletionRequest
 ) -> Response:
     """POST /v1/completions: one choice per prompt, in prompt order."""
+    check_fields(ctx, body)
     traces = [RequestTrace() for _ in range(len(body.prompt) * body.n)]
     ctx.check_model(body.model)
     if body.requested_max_tokens == 0 and not body.echo:
@@ -69,7 +72,10 @@ async def create_completion(
         for prompt, ids in zip(body.prompt, prompt_ids, strict=True)
         for _ in range(body.n)  # one per choice
     ]
-    fmt = CompletionFormat(ctx.model_name, ctx.tokenizer, prompts, body.logprobs is not None)
+    fmt = CompletionFormat(
+        ctx.model_name, ctx.tokenizer, prompts, body.logprobs is not None,
+        with_prompt_logprobs=body.prompt_logprobs is not None,
+    )  # fmt: skip
     requests = [
         request
         for index, (ids, prompt_params) in enumerate(zip(prompt_ids, params, strict=True))
@@ -125,7 +131,7 @@ def _completion_params(
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
     if body.echo and body.logprobs is not None:
-        params = replace(params, prompt_logprobs=body.logprobs)
+        params = replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
     return params
 
 
@@ -149,17 +155,45 @@ def _echo_text(ctx: ServingContext, prompt: p.Prompt, ids: list[int]) -> str:
     return ctx.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def check_fields(ctx: ServingContext, body: BaseModel) -> None:
+    """A 400 naming the fields of `body` this server does not know, unless it is permissive
+    (then a warning in its log): no answer silently lacks what a request asked for."""
+    unknown = unknown_fields(body)
+    if not unknown:
+        return
+    if ctx.permissive:
+        log_unknown_fields(unknown, type(body).__name__)
+        return
+    message = (
+        f"Unknown fields: {', '.join(unknown[:8])}{' and more' if len(unknown) > 8 else ''}. "
+        "This server refuses what it does not implement (graphguard serve --permissive "
+        "ignores unknown fields instead)."
+    )
+    raise APIError(400, message, param=unknown[0], code="unknown_field")
+
+
 async def create_chat_completion(
     ctx: ServingContext, http_request: Request, body: p.ChatCompletionRequest
 ) -> Response:
     """POST /v1/chat/completions."""
+    check_fields(ctx, body)
     traces = [RequestTrace() for _ in range(body.n)]
     ctx.check_model(body.model)
-    prompt_ids, images = await chat_prompt(ctx, body.messages)  # images decoded and marked
+    rendering = ChatRendering(
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template or ctx.chat_template,
+        template_kwargs=body.chat_template_kwargs,
+    )
+    # images decoded and marked
+    prompt_ids, images = await chat_prompt(ctx, body.messages, rendering)
     max_tokens = body.requested_max_tokens
     params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
     await _check_response_format(body)
-    fmt = ChatFormat(ctx.model_name, ctx.tokenizer, params.logprobs is not None, body.n)
+    fmt = ChatFormat(
+        ctx.model_name, ctx.tokenizer, params.logprobs is not None, body.n,
+        with_prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo_text,
+    )  # fmt: skip
     requests = choice_requests(fmt.request_id, 0, body.n, prompt_ids, params, images)
     return await _generate(ctx, http_request, body, fmt, requests, traces)
 
@@ -193,14 +227,21 @@ def sampling_params(
 ) -> SamplingParams:
     """Engine sampling parameters for `body`, refusing requests that cannot fit the context."""
     room = _context_room(ctx, num_prompt_tokens, max_tokens, prompt_param)
+    if max_tokens is None and "max_tokens" in ctx.defaults:  # the generation config's
+        max_tokens = min(ctx.defaults["max_tokens"], room)
     if max_tokens is None:
         # Unbounded requests get the room that both the context and the KV pool leave.
         max_tokens = max(1, min(room, ctx.max_pool_tokens - num_prompt_tokens))
+    defaults = ctx.defaults  # the generation config's, for what the request does not set
+    given = dict(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+    )  # fmt: skip
+    chosen = {k: defaults[k] for k, v in given.items() if v is None and k in defaults}
+    chosen.update({k: v for k, v in given.items() if v is not None})
+    chosen["top_k"] = max(chosen.get("top_k") or 0, 0)  # vLLM's -1 is off, as 0 is
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),  # vLLM's -1 is off, as 0 is
         seed=body.seed,
         stop=body.stop_sequences,
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -210,6 +251,8 @@ def sampling_params(
         logprobs=body.logprobs if isinstance(body, p.CompletionRequest) else body.num_logprobs,
         logit_bias=body.logit_bias_pairs,
         response_format=body.engine_response_format,
+        **chosen,
+        **body.sampling_fields(),
     )
     try:
         params.validate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -29,11 +30,24 @@ _DECODE_ERRORS = (SyntaxError, ValueError, EOFError, IndexError, TypeError, stru
 @dataclass(frozen=True)
 class ChatRendering:
     """How a conversation becomes prompt tokens: the chat template's generation prompt (the
-    assistant's turn opened) and the tokenizer's own special tokens around the rendered text
-    (the template places its own)."""
+    assistant's turn opened) or its last message left open (continued), the tokenizer's own
+    special tokens around the rendered text (the template places its own), another template,
+    its own variables, and the tools it offers."""
 
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """render_chat's keywords (graphguard/engine/tokens/tokenizer.py)."""
+        return dict(
+            continue_final_message=self.continue_final_message, tools=self.tools,
+            chat_template=self.chat_template, template_kwargs=self.template_kwargs,
+        )  # fmt: skip
 
 
 async def chat_prompt(
@@ -72,20 +86,17 @@ async def _template_ids(
     ctx.check_length([m["content"] for m in messages], "messages")
     try:
         num_chars = sum(len(m["content"]) + 32 for m in messages)  # and each one's markup
-        if not rendering.add_special_tokens:  # the template places its own, as in a chat
-            generation_prompt = rendering.add_generation_prompt
-            apply = ctx.tokenizer.apply_chat_template
-            return await text_work(num_chars, apply, messages, generation_prompt)
         return await text_work(num_chars, _render_ids, ctx.tokenizer, messages, rendering)
     except Exception as exc:  # the template rejects some conversations (e.g. role order)
         raise APIError(400, f"Could not apply the chat template: {exc}", param="messages") from exc
 
 
 def _render_ids(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], rendering: ChatRendering
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], rendering: ChatRendering
 ) -> list[int]:
-    """The rendered conversation's ids with the tokenizer's own special tokens added."""
-    text = tokenizer.render_chat(messages, rendering.add_generation_prompt)
+    """The rendered conversation's ids (with the tokenizer's own special tokens added where
+    `rendering` asks for them)."""
+    text = tokenizer.render_chat(messages, rendering.add_generation_prompt, **rendering.options)
     return tokenizer.encode(text, rendering.add_special_tokens)
 
 

@@ -15,7 +15,8 @@ as vLLM does.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -28,10 +29,11 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 from pydantic.json_schema import JsonDict
 
-from graphguard.engine.tokens.limits import MAX_LOGPROBS, MAX_PENALTY
+from graphguard.engine.tokens.limits import MAX_LOGPROBS, MAX_PENALTY, MAX_STOP_STRINGS
 from graphguard.engine.tokens.structured import ResponseFormat
 from graphguard.server.constraints import (
     LOGIT_BIAS_SCHEMA,
@@ -55,8 +57,9 @@ from graphguard.server.prompts import (
     PromptInput,
     completion_prompts,
 )
+from graphguard.server.vllm_fields import VllmFields
 
-MAX_STOP_SEQUENCES = 4  # the OpenAI limit
+MAX_STOP_SEQUENCES = MAX_STOP_STRINGS  # vLLM has no limit; the engine's bounds the work
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
 MAX_COMPLETION_LOGPROBS = 5
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 63) - 1  # a signed 64-bit integer, as OpenAI's seed is
@@ -110,8 +113,9 @@ class StreamOptions(RequestBody):
     include_usage: StrictBool = False
 
 
-class _GenerationRequest(RequestBody):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _GenerationRequest(VllmFields):
+    """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, and vLLM's
+    extensions (graphguard/server/vllm_fields.py)."""
 
     model_config = ConfigDict(
         extra="ignore", allow_inf_nan=False, json_schema_extra=STREAM_OPTIONS_NEED_A_STREAM
@@ -224,9 +228,18 @@ class _GenerationRequest(RequestBody):
         """`logit_bias` as the engine takes it: (token id, bias) pairs."""
         return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
+    @model_validator(mode="after")
+    def _one_output_constraint(self) -> Self:
+        guided = self.guided_format()  # ValueError where several guided fields are given
+        if guided is not None and engine_response_format(self.response_format) is not None:
+            raise ValueError(f"give response_format or {guided.param}, not both")
+        return self
+
     @property
     def engine_response_format(self) -> ResponseFormat | None:
-        return engine_response_format(self.response_format)
+        """The output constraint of `response_format`, `structured_outputs` or a `guided_*`
+        field (one of them at most, checked when the body was read)."""
+        return self.guided_format() or engine_response_format(self.response_format)
 
     @property
     def include_usage(self) -> bool:
@@ -281,9 +294,33 @@ class ImagePart(RequestBody):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class ToolCallFunction(RequestBody):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(RequestBody):
+    """An assistant message's call of a tool, as the history carries it back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments  # the template gets the text as it came
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": self.type, "function": function}
+
+
 class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None  # the participant's name (OpenAI's)
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -298,9 +335,11 @@ class ChatMessage(RequestBody):
             return []
         return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
-    def as_template_dict(self, image_text: str = "") -> dict[str, str]:
+    def as_template_dict(self, image_text: str = "") -> dict[str, Any]:
         """The message as the chat template expects it: plain-text content, each image part
-        written as `image_text` (the image placeholder token)."""
+        written as `image_text` (the image placeholder token); a name, tool calls (their
+        arguments parsed, as transformers' templates read them) and a tool call id where it
+        has them."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(
@@ -308,7 +347,14 @@ class ChatMessage(RequestBody):
             )
         # Chat templates of this model family know "system", not the newer "developer".
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content}
+        message: dict[str, Any] = {"role": role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_template_dict() for call in self.tool_calls]
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -321,7 +367,15 @@ class ChatCompletionRequest(_GenerationRequest):
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
-    # No echo: 0 asks for nothing.
+    # The chat template's controls (vLLM's): the assistant's turn opened, or the last message
+    # left open to continue it; another template; the template's own variables.
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the answer begins with the last message's text where that is the assistant's
+    echo: StrictBool = False
+    # No echo of the prompt's tokens: 0 asks for nothing.
     max_tokens: Annotated[StrictInt, Field(ge=1), WHOLE_NUMBER] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1), WHOLE_NUMBER] | None = None
     tools: Any = None
@@ -333,6 +387,26 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: (
         Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS), WHOLE_NUMBER] | None
     ) = None
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> Self:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt exclude each other: set "
+                "add_generation_prompt to false to continue the last message"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message continues an assistant message, the last")
+        return self
+
+    @property
+    def echo_text(self) -> str:
+        """What the answer begins with under `echo`: the last message's text, where it is the
+        assistant's (the role the answer has)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or not isinstance(last.content, str):
+            return ""
+        return last.content
 
     @field_validator("top_logprobs")
     @classmethod

@@ -46,11 +46,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's log probability among a prompt's (`prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token (null for the first), the token's and its
+# alternatives', by token id as a string
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice (null otherwise)
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -74,6 +90,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -83,6 +100,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
 class ChatDelta(BaseModel):

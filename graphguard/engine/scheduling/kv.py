@@ -205,12 +205,15 @@ def token_bytes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> b
     return array("q", token_ids[: num_blocks * block_size]).tobytes()
 
 
-def chain_hashes(data: bytes, block_size: int, known: Sequence[bytes] = ()) -> list[bytes]:
-    """`prefix_hashes` of the blocks whose int64 bytes are `data` (`token_bytes`)."""
+def chain_hashes(
+    data: bytes, block_size: int, known: Sequence[bytes] = (), salt: bytes = b""
+) -> list[bytes]:
+    """`prefix_hashes` of the blocks whose int64 bytes are `data` (`token_bytes`); `salt`
+    begins the chain (a request's cache salt: equal blocks of other salts hash apart)."""
     stride = block_size * TOKEN_BYTES
     num_blocks = len(data) // stride
     hashes = list(known[:num_blocks])
-    previous = hashes[-1] if hashes else b""
+    previous = hashes[-1] if hashes else salt
     view, digest = memoryview(data), hashlib.blake2b
     for start in range(len(hashes) * stride, num_blocks * stride, stride):
         previous = digest(previous + view[start : start + stride], digest_size=16).digest()

@@ -12,7 +12,9 @@ prefill is writing (two requests over one document, arrived together) waits for 
 reuses them once written, when they are at least MIN_WAIT_TOKENS; a shorter run is computed
 again, as waiting costs the request at least one step.
 
-Not cached: a sequence with images (its KV depends on more than its tokens), and no reuse for
+A request's `cache_salt` begins its hash chain: requests share cached blocks only within one
+salt (vLLM's), so a tenant cannot learn from a request's speed what another one sent. Not
+cached: a sequence with images (its KV depends on more than its tokens), and no reuse for
 one that asks for prompt logprobs (every prompt token must be scored). New weights clear the
 cache (`LLMEngine.reload_weights`). At least the last prompt token is always computed: its
 logits start the answer.
@@ -20,6 +22,7 @@ logits start the answer.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -46,20 +49,22 @@ class RecentPrompts:
         self.capacity = capacity
         self._by_first: OrderedDict[bytes, tuple[bytes, list[bytes]]] = OrderedDict()
 
-    def hashes(self, data: bytes, block_size: int, known: list[bytes]) -> list[bytes]:
+    def hashes(
+        self, data: bytes, block_size: int, known: list[bytes], salt: bytes = b""
+    ) -> list[bytes]:
         """The prefix hashes of the blocks whose int64 bytes are `data` (`token_bytes`), the
-        first `known` given; remembers them for the prompts after it."""
+        first `known` given, under `salt`; remembers them for the prompts after it."""
         stride = block_size * TOKEN_BYTES
-        first = data[:stride]
-        if len(first) < stride:
+        if len(data) < stride:
             return list(known)
+        first = salt + data[:stride]  # NOTE: a prompt of another salt never starts as this one
         recent = self._by_first.get(first)
         common = 0
         if recent is not None:
             common = _common_blocks(data, recent[0], stride)
             if common > len(known):
                 known = recent[1][:common]
-        hashes = chain_hashes(data, block_size, known)
+        hashes = chain_hashes(data, block_size, known, salt)
         # NOTE: a prompt that is a prefix of the remembered one adds nothing to it.
         if recent is None or common < len(hashes) or len(hashes) >= len(recent[1]):
             self._by_first[first] = (data, hashes)
@@ -67,6 +72,15 @@ class RecentPrompts:
         if len(self._by_first) > self.capacity:
             self._by_first.popitem(last=False)
         return hashes
+
+
+def _salt(seq: Sequence) -> bytes:
+    """Where a request's prefix hashes begin: its cache salt's digest, so that requests of
+    other salts share no cached block with it (vLLM's `cache_salt`)."""
+    salt = seq.params.cache_salt
+    if salt is None:
+        return b""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache_salt").digest()
 
 
 def _common_blocks(a: bytes, b: bytes, stride: int) -> int:
@@ -182,5 +196,5 @@ class PrefixCache:
                 data = seq.prompt_bytes[: length * TOKEN_BYTES]
             else:
                 data = token_bytes(seq.token_ids, self.block_size, num_full)
-            known[:] = self.recent.hashes(data, self.block_size, known)
+            known[:] = self.recent.hashes(data, self.block_size, known, _salt(seq))
         return known[:num_blocks]

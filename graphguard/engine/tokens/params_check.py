@@ -88,6 +88,8 @@ def _check_counts(p: SamplingParams) -> None:
     truncate = p.truncate_prompt_tokens
     if truncate is not None and (not _is_int(truncate) or truncate < 1):
         raise ValueError(f"truncate_prompt_tokens must be None or >= 1, got {truncate!r}")
+    if p.cache_salt is not None and (not isinstance(p.cache_salt, str) or not p.cache_salt):
+        raise ValueError(f"cache_salt must be None or a non-empty string, got {p.cache_salt!r}")
     for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                  "spaces_between_special_tokens"):  # fmt: skip
         if not isinstance(getattr(p, name), bool):

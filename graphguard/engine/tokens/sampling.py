@@ -42,7 +42,9 @@ class SamplingParams:
     output ids and its text is left out; a stop string is cut from the text unless
     ``include_stop_str_in_output``. ``skip_special_tokens`` and
     ``spaces_between_special_tokens`` are the detokenizer's; ``truncate_prompt_tokens`` keeps
-    only the prompt's last tokens. ``n`` choices of one prompt (the offline API and the server
+    only the prompt's last tokens; a ``cache_salt`` keeps its cached prompt blocks apart from
+    those of requests of other salts (graphguard.engine.scheduling.prefix_cache). ``n`` choices
+    of one prompt (the offline API and the server
     run one engine request each, forked from the first).
     """
 
@@ -70,6 +72,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
+    cache_salt: str | None = None  # its cached prefixes are shared within this salt only
 
     def __post_init__(self) -> None:
         # NOTE: vLLM's callers pass lists, a string stop and a dict bias: kept as tuples, so

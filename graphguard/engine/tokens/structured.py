@@ -48,42 +48,60 @@ class InvalidParamError(ValueError):
 class ResponseFormatKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # a JSON document that validates against `schema`
+    REGEX = "regex"  # text the regular expression `schema` matches whole
+    CHOICE = "choice"  # one of the strings of the JSON list `schema`, exactly
+    GRAMMAR = "grammar"  # text of the Lark grammar `schema` (llguidance's dialect)
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """What a request's output must be. `schema` is the JSON text of the JSON Schema
-    (`JSON_SCHEMA` only); text, so that the format stays hashable and immutable."""
+    """What a request's output must be. `schema` is the format's text: the JSON Schema as JSON
+    text, the regular expression, the JSON list of choices or the grammar (text, so that the
+    format stays hashable and immutable). `param` is the request field it came from, which an
+    error names."""
 
     kind: ResponseFormatKind
     schema: str | None = None
+    param: str = "response_format"
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any]) -> ResponseFormat:
-        return cls(ResponseFormatKind.JSON_SCHEMA, json.dumps(schema))
+    def json_schema(cls, schema: dict[str, Any], param: str = "response_format") -> ResponseFormat:
+        return cls(ResponseFormatKind.JSON_SCHEMA, json.dumps(schema), param)
+
+    @classmethod
+    def choice(cls, choices: list[str], param: str) -> ResponseFormat:
+        return cls(ResponseFormatKind.CHOICE, json.dumps(choices), param)
 
     def grammar(self) -> str:
         """The llguidance grammar of this format; InvalidParamError if it cannot be one."""
         from llguidance import LLMatcher
 
-        schema = self.schema if self.kind is ResponseFormatKind.JSON_SCHEMA else None
         try:
+            if self.kind is ResponseFormatKind.REGEX:
+                return str(LLMatcher.grammar_from_regex(self.schema or ""))
+            if self.kind is ResponseFormatKind.CHOICE:  # string literals, escaped as JSON's
+                choices = " | ".join(json.dumps(c) for c in json.loads(self.schema or "[]"))
+                return str(LLMatcher.grammar_from_lark(f"start: {choices}"))
+            if self.kind is ResponseFormatKind.GRAMMAR:
+                return str(LLMatcher.grammar_from_lark(self.schema or ""))
+            schema = self.schema if self.kind is ResponseFormatKind.JSON_SCHEMA else None
             return str(
                 LLMatcher.grammar_from_json_schema(schema or ANY_JSON_OBJECT, defaults=JSON_LAYOUT)
             )
         except (ValueError, TypeError) as exc:
-            raise InvalidParamError("response_format", f"invalid JSON schema: {exc}") from exc
+            raise InvalidParamError(self.param, f"invalid {self.kind.value}: {exc}") from exc
 
 
 def check_response_format(response_format: ResponseFormat) -> None:
-    """Raise InvalidParamError naming `response_format` if its grammar is invalid (an unknown
-    type, a dangling `$ref`, ...). Needs no tokenizer; may take a while for a large schema, so
-    a server calls it off its event loop."""
+    """Raise InvalidParamError naming the format's field if its grammar is invalid (an unknown
+    type, a dangling `$ref`, a regular expression that does not parse, ...). Needs no
+    tokenizer; may take a while for a large schema, so a server calls it off its event loop."""
     from llguidance import LLMatcher
 
     error = LLMatcher.validate_grammar(response_format.grammar())
     if error:
-        raise InvalidParamError("response_format", f"invalid JSON schema: {error}")
+        kind = response_format.kind.value
+        raise InvalidParamError(response_format.param, f"invalid {kind}: {error}")
 
 
 class TokenMatcher:
@@ -154,9 +172,8 @@ class GrammarCompiler:
         grammar = response_format.grammar()
         matcher = LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidParamError(
-                "response_format", f"invalid JSON schema: {matcher.get_error()}"
-            )
+            kind = response_format.kind.value
+            raise InvalidParamError(response_format.param, f"invalid {kind}: {matcher.get_error()}")
         return TokenMatcher(matcher, self._vocab_size)
 
     def _llg_tokenizer(self) -> Any:

@@ -210,6 +210,19 @@ def _open_final_message(text: str, messages: list[dict]) -> str:
     return text[: end + len(final.strip())]
 
 
+def read_template(template: str | None) -> str | None:
+    """A chat template given as a file's path, or as the template itself (vLLM's
+    --chat-template takes either); None stays None."""
+    if template is None:
+        return None
+    path = Path(template)
+    if len(template) < 4096 and "\n" not in template and path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in template:
+        raise ValueError(f"--chat-template: {template!r} is neither a file nor a template")
+    return template
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from graphguard.engine.models.loader import LoadedModel
+from graphguard.engine.tokens.logits import RequestLogits, adjusted
 from graphguard.engine.tokens.sampling import SamplingParams, fork_seed, sample
 from graphguard.engine.tokens.structured import (
     GrammarCompiler,
@@ -90,7 +91,11 @@ def test_logit_bias_moves_only_its_own_tokens() -> None:
     logits = torch.zeros(2, VOCAB)
     logits[:, 5] = 10.0
     params = [SamplingParams(temperature=0.0, logit_bias=((5, -100.0), (9, 50.0))), GREEDY]
-    assert sample(logits, params, [None, None]) == [9, 5]
+    changes = [
+        RequestLogits.build(p, [1, 2], VOCAB, [0], torch.device("cpu"), lambda text: [])
+        for p in params
+    ]
+    assert sample(adjusted(logits, changes, [[], []]), params, [None, None]) == [9, 5]
 
 
 @pytest.mark.parametrize(
