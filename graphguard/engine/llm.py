@@ -143,6 +143,13 @@ class LLM:
             self._run_until_done(outputs, added, use_tqdm)
         finally:
             self._abort_unfinished(added, outputs)
+        failed = [output for output in outputs.values() if output.error]
+        if failed:  # an answer cut short is no answer: say so, not return its part
+            first = failed[0]
+            raise RuntimeError(
+                f"{len(failed)} of {len(outputs)} requests failed; {first.request_id}: "
+                f"{first.error}"
+            )
         return [
             self._request_output(prompt, ids, group, outputs)
             for prompt, ids, group in zip(prompts, token_ids, groups, strict=True)

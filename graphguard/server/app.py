@@ -29,6 +29,7 @@ from graphguard.server.metrics import ServerMetrics
 from graphguard.server.openapi import ServerAPI, error_responses, streamed
 from graphguard.server.security import APIKeyMiddleware, HostCheckMiddleware
 from graphguard.server.served import ServedEngine
+from graphguard.server.tool_parsers import tool_call_format
 
 ENDPOINTS = frozenset(
     {"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/graphs"}
@@ -46,10 +47,11 @@ def build_app(engine: LLMEngine | ServedEngine, config: ServerConfig) -> FastAPI
     exit, aborts in-flight requests and shuts the engine down."""
     served = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
     info, metrics = served.info, ServerMetrics()
+    template, tokenizer = read_template(config.chat_template), info.tokenizer
     serving = ServingContext(
         engine=served,
         metrics=metrics,
-        tokenizer=info.tokenizer,
+        tokenizer=tokenizer,
         model_name=config.model_name,
         max_model_len=info.max_model_len,
         vocab_size=info.model_config.vocab_size,
@@ -57,7 +59,8 @@ def build_app(engine: LLMEngine | ServedEngine, config: ServerConfig) -> FastAPI
         max_token_chars=info.tokenizer.max_token_chars,
         permissive=config.permissive,
         defaults=generation_defaults(config.generation_config, info.model_folder),
-        chat_template=read_template(config.chat_template),
+        chat_template=template,
+        tool_format=tool_call_format(config.tool_call_parser, template or tokenizer.chat_template),
     )
 
     @asynccontextmanager

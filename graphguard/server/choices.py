@@ -58,9 +58,9 @@ class Choice:
         self.prompt_logprobs = self.prompt_logprobs or output.prompt_logprobs
         self.last = output
 
-    def chunk(self, fmt: OutputFormat, output: RequestOutput) -> str:
+    def chunk(self, fmt: OutputFormat, output: RequestOutput) -> str | None:
         """The JSON of `output`'s streamed chunk (taken already), with the logprobs held until
-        now."""
+        now; None where the format holds its text back."""
         finish_reason = output.finish_reason if output.finished else None
         logprobs, self.logprobs = self.logprobs, []
         return fmt.chunk(
@@ -100,18 +100,19 @@ async def sse_events(
     ending = ""
     num_running = len(choices)
     try:
-        for chunk in fmt.opening():
-            yield _sse(chunk)
+        for opening in fmt.opening():
+            yield _sse(opening)
         async with aclosing(merged_outputs(choices)) as outputs:
             async for choice, output in outputs:
                 choice.take(output)
                 num_running -= output.finished
-                if output.delta_text or output.finished:
-                    event = _event(choice.chunk(fmt, output))
-                    if num_running:
-                        yield event
-                    else:
-                        ending = event
+                chunk = choice.chunk(fmt, output) if output.delta_text or output.finished else None
+                if chunk is None:
+                    continue
+                if num_running:
+                    yield _event(chunk)
+                else:
+                    ending = _event(chunk)
         if include_usage:
             ending += _sse(fmt.usage_chunk(usage(choices)))
     except Exception as exc:  # the engine failed mid-stream: say so in-band, then end

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from graphguard.engine.config import EngineConfig
+from graphguard.server.tool_parsers import TOOL_CALL_PARSERS
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -65,6 +66,9 @@ class ServerConfig:
     generation_config: str = "auto"
     # A chat template (a file's path, or the template itself) in place of the model's.
     chat_template: str | None = None
+    # vLLM's --tool-call-parser: the format the model writes tool calls in
+    # (graphguard/server/tool_parsers.py); auto reads it from the chat template
+    tool_call_parser: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -72,6 +76,11 @@ class ServerConfig:
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {self.tool_call_parser!r}; graphguard reads "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
         for name in ("header_timeout_s", "body_timeout_s", "switch_interval_ms"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

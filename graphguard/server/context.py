@@ -15,6 +15,7 @@ from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server.errors import APIError
 from graphguard.server.metrics import ServerMetrics
 from graphguard.server.served import ServedEngine
+from graphguard.server.tool_parsers import HERMES, ToolCallFormat
 
 T = TypeVar("T")
 
@@ -53,6 +54,7 @@ class ServingContext:
     # SamplingParams defaults of the fields a request does not set (the generation config)
     defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # in place of the model's
+    tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (--tool-call-parser)
 
     def check_length(self, texts: list[str], param: str) -> None:
         """Refuse texts that cannot fit the context whatever they tokenize to, cheaply."""

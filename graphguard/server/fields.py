@@ -12,13 +12,17 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     ModelWrapValidatorHandler,
     PrivateAttr,
     StrictInt,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 logger = logging.getLogger("graphguard.server")
 MAX_UNKNOWN_FIELDS_LOGGED = 8  # names per log line; the rest are counted
@@ -59,6 +63,16 @@ def asks_for_nothing(value: Any, off_values: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(off) and value == off for off in off_values)
 
 
+def off_value_schema(off_values: tuple[Any, ...]) -> WithJsonSchema:
+    """The document's schema of a field taken only at `off_values` or null (see
+    refuse_unless_off)."""
+    options: list[dict[str, Any]] = [
+        {"type": "array", "maxItems": 0} if value == [] else {"const": value}
+        for value in off_values
+    ]
+    return WithJsonSchema({"anyOf": [*options, {"type": "null"}]})
+
+
 def refuse_unless_off(off_values: Mapping[str, tuple[Any, ...]]) -> Any:
     """A field validator for a request model's class body over the fields of `off_values`:
     each is accepted unset or at one of its off values (which clients often send) and refused
@@ -97,6 +111,16 @@ class RequestBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     _unknown: list[str] = PrivateAttr(default_factory=list)
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        # the document states what a request may hold: a field it does not declare is a 400
+        # (a permissive server takes more than it states, which a client may not rely on)
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        schema["additionalProperties"] = False
+        return schema
 
     @model_validator(mode="wrap")
     @classmethod

@@ -298,6 +298,12 @@ FLAGS: dict[str, Flag] = {
         "a Jinja chat template, or a file holding one, in place of the model's",
         metavar="TEMPLATE",
     ),
+    "tool_call_parser": Flag(
+        "server",
+        "the format the model writes tool calls in: hermes (<tool_call> blocks: Hermes, Qwen, "
+        "SmolLM) or llama3_json; auto reads it from the chat template (default: {default})",
+        metavar="auto|hermes|llama3_json",
+    ),
     "engine_process": Flag(
         "server",
         "step the engine on a thread of the server's process instead of in a process of its "

@@ -29,6 +29,7 @@ from graphguard.engine.engine import RequestOutput
 from graphguard.engine.tokens.sampling import TokenLogprob
 from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import responses as r
+from graphguard.server.tool_calls import ToolCallStream, ToolUse
 
 # A token of a completions logprobs list: id, logprob and alternatives (None for the first
 # token of an echoed prompt, which has no context), and whether it is a prompt token.
@@ -267,8 +268,14 @@ class ChatFormat:
         num_choices: int = 1,
         with_prompt_logprobs: bool = False,
         echo: str = "",
+        tool_use: ToolUse | None = None,
     ) -> None:
         self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
+        # each choice's text is read for tool calls where the request offers tools
+        self._tool_use = tool_use
+        self._tool_streams = (
+            [ToolCallStream(tool_use.fmt) for _ in range(num_choices)] if (tool_use) else []
+        )
         # vLLM's chat echo: the text the answer begins with (each choice's first chunk)
         self._echo = [echo] * num_choices
         self.request_id = response_id("chatcmpl")
@@ -299,15 +306,24 @@ class ChatFormat:
         finish_reason: str | None,
         logprobs: list[TokenLogprob],
         prompt_logprobs: list[TokenLogprob | None] | None = None,  # chat has no echo
-    ) -> str:
-        """The JSON of choice `index`'s next streamed chunk."""
+    ) -> str | None:
+        """The JSON of choice `index`'s next streamed chunk; None where it has nothing to
+        say yet (tool call text held back)."""
+        calls: list[r.DeltaToolCall] = []
+        if self._tool_streams:
+            stream = self._tool_streams[index]
+            delta, calls = stream.feed(delta, final=finish_reason is not None)
+            assert self._tool_use is not None
+            finish_reason = self._tool_use.finish_reason(finish_reason, stream.has_calls)
+            if not (delta or calls or finish_reason or logprobs):
+                return None
         if self._echo[index]:
             delta, self._echo[index] = self._echo[index] + delta, ""
-        if not (self.with_logprobs and logprobs):
+        if not (self.with_logprobs and logprobs) and not calls:
             return self._template.render(index, delta or None, finish_reason)
         choice = r.ChatChunkChoice(
             index=index,
-            delta=r.ChatDelta(content=delta or None),
+            delta=r.ChatDelta(content=delta or None, tool_calls=calls or None),
             finish_reason=finish_reason,
             logprobs=self._logprobs(logprobs),
         )
@@ -320,8 +336,8 @@ class ChatFormat:
         choices = [
             r.ChatChoice(
                 index=i,
-                message=r.AssistantMessage(content=self._echo[i] + o.output.text),
-                finish_reason=o.output.finish_reason,
+                message=self._message(i, o.output.text),
+                finish_reason=self._finish_reason(o.output.text, o.output.finish_reason),
                 logprobs=self._logprobs(o.logprobs),
                 stop_reason=o.output.stop_reason,
             )
@@ -334,6 +350,19 @@ class ChatFormat:
             id=self.request_id, created=self.created, model=self.model, choices=choices,
             usage=usage, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
+
+    def _message(self, index: int, text: str) -> r.AssistantMessage:
+        if self._tool_use is None:
+            return r.AssistantMessage(content=self._echo[index] + text)
+        content, calls = self._tool_use.response_calls(text)
+        if self._echo[index]:
+            content = self._echo[index] + (content or "")
+        return r.AssistantMessage(content=content, tool_calls=calls)
+
+    def _finish_reason(self, text: str, reason: str | None) -> str | None:
+        if self._tool_use is None:
+            return reason
+        return self._tool_use.finish_reason(reason, bool(self._tool_use.fmt.parse(text)[1]))
 
     def _chunk_of(
         self, choices: list[r.ChatChunkChoice], usage: r.Usage | None = None

@@ -22,7 +22,11 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from graphguard.engine.tokens.sampling import SamplingParams, fork_seed
-from graphguard.engine.tokens.structured import InvalidParamError, check_response_format
+from graphguard.engine.tokens.structured import (
+    InvalidParamError,
+    ResponseFormat,
+    check_response_format,
+)
 from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.async_engine import EngineClosedError, EngineRequest
@@ -38,6 +42,7 @@ from graphguard.server.formatting import (
 )
 from graphguard.server.images import ChatRendering, chat_prompt
 from graphguard.server.metrics import RequestTrace
+from graphguard.server.tool_calls import ToolUse
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 
@@ -66,7 +71,7 @@ async def create_completion(
     for index, ids in enumerate(prompt_ids):
         with _naming_prompt(index, len(prompt_ids)):
             params.append(_completion_params(ctx, body, ids))
-    await _check_response_format(body)
+    await _check_response_format(body.engine_response_format)
     prompts = [
         CompletionPrompt(ids, _echo_text(ctx, prompt, ids) if body.echo else None)
         for prompt, ids in zip(body.prompt, prompt_ids, strict=True)
@@ -110,10 +115,9 @@ def choice_requests(
     return requests
 
 
-async def _check_response_format(body: p.CompletionRequest | p.ChatCompletionRequest) -> None:
-    """A 400 naming `response_format` if its schema cannot be compiled (off the event loop:
-    a large schema takes a while)."""
-    response_format = body.engine_response_format
+async def _check_response_format(response_format: ResponseFormat | None) -> None:
+    """A 400 naming the field of `response_format` if its grammar cannot be compiled (off the
+    event loop: a large schema takes a while)."""
     if response_format is None:
         return
     try:
@@ -129,7 +133,9 @@ def _completion_params(
     if max_tokens is None:
         room = ctx.max_model_len - len(prompt_ids)
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, max(room, 1))
-    params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="prompt")
+    params = sampling_params(
+        ctx, body, len(prompt_ids), max_tokens, body.engine_response_format, prompt_param="prompt"
+    )
     if body.echo and body.logprobs is not None:
         params = replace(params, prompt_logprobs=max(body.logprobs, params.prompt_logprobs or 0))
     return params
@@ -179,20 +185,26 @@ async def create_chat_completion(
     check_fields(ctx, body)
     traces = [RequestTrace() for _ in range(body.n)]
     ctx.check_model(body.model)
+    tool_use = ToolUse.of(body.tools, body.tool_choice, ctx.tool_format)
     rendering = ChatRendering(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template or ctx.chat_template,
         template_kwargs=body.chat_template_kwargs,
+        tool_use=tool_use,
+        tool_format=ctx.tool_format,
     )
     # images decoded and marked
     prompt_ids, images = await chat_prompt(ctx, body.messages, rendering)
-    max_tokens = body.requested_max_tokens
-    params = sampling_params(ctx, body, len(prompt_ids), max_tokens, prompt_param="messages")
-    await _check_response_format(body)
+    constraint = (tool_use and tool_use.constraint()) or body.engine_response_format
+    params = sampling_params(
+        ctx, body, len(prompt_ids), body.requested_max_tokens, constraint, prompt_param="messages"
+    )
+    await _check_response_format(constraint)
     fmt = ChatFormat(
         ctx.model_name, ctx.tokenizer, params.logprobs is not None, body.n,
         with_prompt_logprobs=body.prompt_logprobs is not None, echo=body.echo_text,
+        tool_use=tool_use,
     )  # fmt: skip
     requests = choice_requests(fmt.request_id, 0, body.n, prompt_ids, params, images)
     return await _generate(ctx, http_request, body, fmt, requests, traces)
@@ -222,10 +234,12 @@ def sampling_params(
     body: p.CompletionRequest | p.ChatCompletionRequest,
     num_prompt_tokens: int,
     max_tokens: int | None,
+    response_format: ResponseFormat | None,
     *,
     prompt_param: str,
 ) -> SamplingParams:
-    """Engine sampling parameters for `body`, refusing requests that cannot fit the context."""
+    """Engine sampling parameters for `body` (its output held to `response_format`), refusing
+    requests that cannot fit the context."""
     room = _context_room(ctx, num_prompt_tokens, max_tokens, prompt_param)
     if max_tokens is None and "max_tokens" in ctx.defaults:  # the generation config's
         max_tokens = min(ctx.defaults["max_tokens"], room)
@@ -250,7 +264,7 @@ def sampling_params(
         frequency_penalty=body.frequency_penalty or 0.0,
         logprobs=body.logprobs if isinstance(body, p.CompletionRequest) else body.num_logprobs,
         logit_bias=body.logit_bias_pairs,
-        response_format=body.engine_response_format,
+        response_format=response_format,
         **chosen,
         **body.sampling_fields(),
     )
@@ -264,11 +278,12 @@ def sampling_params(
 
 
 def _check_vocabulary_ids(ctx: ServingContext, params: SamplingParams) -> None:
-    """A 400 naming the field if `logit_bias` or `stop_token_ids` holds an id past the
-    vocabulary (both hold ids >= 0 already)."""
+    """A 400 naming the field if `logit_bias`, `stop_token_ids` or `allowed_token_ids` holds
+    an id past the vocabulary (all hold ids >= 0 already)."""
     for param, token_ids in [
         ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
         ("stop_token_ids", list(params.stop_token_ids)),
+        ("allowed_token_ids", list(params.allowed_token_ids or ())),
     ]:
         if any(token_id >= ctx.vocab_size for token_id in token_ids):
             message = f"{param} must hold token ids in [0, {ctx.vocab_size})."

@@ -21,6 +21,8 @@ from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import protocol as p
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
+from graphguard.server.tool_calls import ToolUse, adapt_history
+from graphguard.server.tool_parsers import HERMES, ToolCallFormat
 
 # What PIL raises besides OSError on corrupt data (SyntaxError: a PNG chunk that is not one);
 # Image.open itself treats these as "not this format".
@@ -32,22 +34,16 @@ class ChatRendering:
     """How a conversation becomes prompt tokens: the chat template's generation prompt (the
     assistant's turn opened) or its last message left open (continued), the tokenizer's own
     special tokens around the rendered text (the template places its own), another template,
-    its own variables, and the tools it offers."""
+    its own variables, the tools it offers and the format the model writes calls in (where
+    the template renders no tools, graphguard/server/tool_calls.py writes them in it)."""
 
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     continue_final_message: bool = False
     chat_template: str | None = None
     template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """render_chat's keywords (graphguard/engine/tokens/tokenizer.py)."""
-        return dict(
-            continue_final_message=self.continue_final_message, tools=self.tools,
-            chat_template=self.chat_template, template_kwargs=self.template_kwargs,
-        )  # fmt: skip
+    tool_use: ToolUse | None = None
+    tool_format: ToolCallFormat = HERMES
 
 
 async def chat_prompt(
@@ -96,7 +92,13 @@ def _render_ids(
 ) -> list[int]:
     """The rendered conversation's ids (with the tokenizer's own special tokens added where
     `rendering` asks for them)."""
-    text = tokenizer.render_chat(messages, rendering.add_generation_prompt, **rendering.options)
+    template = rendering.chat_template or tokenizer.chat_template or ""
+    messages, tools = adapt_history(messages, template, rendering.tool_format, rendering.tool_use)
+    text = tokenizer.render_chat(
+        messages, rendering.add_generation_prompt, tools=tools,
+        continue_final_message=rendering.continue_final_message,
+        chat_template=rendering.chat_template, template_kwargs=rendering.template_kwargs,
+    )  # fmt: skip
     return tokenizer.encode(text, rendering.add_special_tokens)
 
 

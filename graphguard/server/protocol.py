@@ -7,10 +7,10 @@ Types are strict where the OpenAI API's are: integers must be JSON integers, or 
 no fraction (`2.0` is 2, as vLLM takes it; `2.5` is refused), and booleans JSON booleans
 (`max_tokens: true` and `stream: "yes"` are refused); numbers may be integers or floats; text
 must be valid Unicode (no lone UTF-16 surrogates, which JSON escapes can carry).
-OpenAI fields this server does not implement (tools, functions, suffix...)
+OpenAI fields this server does not implement (the deprecated functions, suffix, best_of)
 are accepted at their "off" values, which clients often send, and refused with a 400 otherwise,
-so no answer silently lacks what was asked for. Other unknown fields are ignored and logged,
-as vLLM does.
+so no answer silently lacks what was asked for; so is every field this server does not know
+(graphguard/server/fields.py), unless it serves with --permissive.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from graphguard.server.fields import (
     WHOLE_NUMBER,
     RequestBody,
     TokenId,
+    off_value_schema,
     refuse_unless_off,
     valid_texts,
     valid_unicode,
@@ -57,7 +58,8 @@ from graphguard.server.prompts import (
     PromptInput,
     completion_prompts,
 )
-from graphguard.server.vllm_fields import VllmFields
+from graphguard.server.tool_calls import ToolChoice, Tools, check_tools
+from graphguard.server.vllm_fields import OUTPUT_CONSTRAINTS, VllmFields
 
 MAX_STOP_SEQUENCES = MAX_STOP_STRINGS  # vLLM has no limit; the engine's bounds the work
 MAX_CHAT_TOP_LOGPROBS = MAX_LOGPROBS  # the OpenAI limits; the engine's is the chat one
@@ -96,12 +98,35 @@ TOP_LOGPROBS_NEED_LOGPROBS: JsonDict = {
     },
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
+# `continue_final_message` only without a generation prompt (chat), as the document states it.
+CONTINUING_OPENS_NO_TURN: JsonDict = {
+    "if": {
+        "required": ["continue_final_message"],
+        "properties": {"continue_final_message": {"const": True}},
+    },
+    "then": {
+        "required": ["add_generation_prompt"],
+        "properties": {"add_generation_prompt": {"const": False}},
+    },
+}
+# `tool_choice` "required" or a named function needs tools, and constrains the output alone.
+CONSTRAINED_TOOLS: JsonDict = {
+    "if": {
+        "required": ["tool_choice"],
+        "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+    },
+    "then": {
+        "required": ["tools"],
+        "properties": {
+            "tools": {"type": "array", "minItems": 1},
+            **{name: False for name in OUTPUT_CONSTRAINTS},
+        },
+    },
+}
 _Logprobs = Annotated[StrictInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), WHOLE_NUMBER]
 
 # Unimplemented OpenAI fields and the values that ask for nothing (None is always accepted).
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "suffix": ("",),
@@ -118,7 +143,9 @@ class _GenerationRequest(VllmFields):
     extensions (graphguard/server/vllm_fields.py)."""
 
     model_config = ConfigDict(
-        extra="ignore", allow_inf_nan=False, json_schema_extra=STREAM_OPTIONS_NEED_A_STREAM
+        extra="ignore",
+        allow_inf_nan=False,
+        json_schema_extra=STREAM_OPTIONS_NEED_A_STREAM,
     )
 
     model: str
@@ -262,8 +289,8 @@ class CompletionRequest(_GenerationRequest):
     logprobs: _Logprobs | None = None
     # The prompt comes back before the completion (with its tokens' logprobs, if asked for).
     echo: StrictBool | None = None
-    suffix: Any = None
-    best_of: Any = None
+    suffix: Annotated[Any, off_value_schema(UNSUPPORTED_FIELDS["suffix"])] = None
+    best_of: Annotated[Any, off_value_schema(UNSUPPORTED_FIELDS["best_of"])] = None
 
 
 class TextPart(RequestBody):
@@ -357,13 +384,31 @@ class ChatMessage(RequestBody):
         return message
 
 
+def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool) -> None:
+    """ValueError unless `continue_final_message` can continue these messages."""
+    if add_generation_prompt:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt exclude each other: set "
+            "add_generation_prompt to false to continue the last message"
+        )
+    if messages[-1].role != "assistant":
+        raise ValueError("continue_final_message continues an assistant message, the last")
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(
         extra="ignore",
         allow_inf_nan=False,
-        json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_A_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]},
+        json_schema_extra={
+            "allOf": [
+                STREAM_OPTIONS_NEED_A_STREAM,
+                TOP_LOGPROBS_NEED_LOGPROBS,
+                CONTINUING_OPENS_NO_TURN,
+                CONSTRAINED_TOOLS,
+            ]
+        },  # fmt: skip
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -378,10 +423,11 @@ class ChatCompletionRequest(_GenerationRequest):
     # No echo of the prompt's tokens: 0 asks for nothing.
     max_tokens: Annotated[StrictInt, Field(ge=1), WHOLE_NUMBER] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1), WHOLE_NUMBER] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
+    tools: Tools | None = None
+    # OpenAI's default: "auto" where tools are given (graphguard/server/tool_calls.py)
+    tool_choice: ToolChoice | None = None
+    functions: Annotated[Any, off_value_schema(UNSUPPORTED_FIELDS["functions"])] = None
+    function_call: Annotated[Any, off_value_schema(UNSUPPORTED_FIELDS["function_call"])] = None
 
     logprobs: StrictBool | None = None
     top_logprobs: (
@@ -389,14 +435,20 @@ class ChatCompletionRequest(_GenerationRequest):
     ) = None
 
     @model_validator(mode="after")
-    def _one_way_to_end_the_prompt(self) -> Self:
-        if self.continue_final_message and self.add_generation_prompt:
+    def _tools_fit_the_choice(self) -> Self:
+        check_tools(self.tools, self.tool_choice)
+        constrained = self.tool_choice not in (None, "auto", "none") and self.tools
+        if constrained and self.engine_response_format is not None:
             raise ValueError(
-                "continue_final_message and add_generation_prompt exclude each other: set "
-                "add_generation_prompt to false to continue the last message"
+                "tool_choice required or a named function constrains the answer to tool calls; "
+                "it takes no response_format or structured output besides"
             )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message continues an assistant message, the last")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_end_the_prompt(self) -> Self:
+        if self.continue_final_message:
+            check_continuation(self.messages, self.add_generation_prompt)
         return self
 
     @property

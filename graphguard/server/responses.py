@@ -80,9 +80,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null where the answer is only tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -103,9 +115,29 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked for
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_absent)  # in a call's first delta
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call: the first names it (id, type, name), the others add to
+    its arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_absent)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_absent)
+    function: DeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):

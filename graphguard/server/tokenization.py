@@ -18,18 +18,12 @@ from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server import responses as r
 from graphguard.server.context import ServingContext, text_work
 from graphguard.server.errors import APIError
-from graphguard.server.fields import RequestBody, TokenId, refuse_unless_off, valid_unicode
+from graphguard.server.fields import RequestBody, TokenId, valid_unicode
 from graphguard.server.formatting import token_name
 from graphguard.server.images import ChatRendering, chat_prompt
-from graphguard.server.protocol import ChatMessage
+from graphguard.server.protocol import CONTINUING_OPENS_NO_TURN, ChatMessage, check_continuation
+from graphguard.server.tool_calls import Tools, ToolUse
 
-# vLLM options of /tokenize this server does not implement, and the values that ask for nothing.
-UNSUPPORTED_TOKENIZE_FIELDS: dict[str, tuple[Any, ...]] = {
-    "continue_final_message": (False,),
-    "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "tools": ([],),
-}
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Exactly one of `prompt` and `messages`, as the document states it.
 _ONE_INPUT: JsonDict = {
@@ -42,10 +36,15 @@ _ONE_INPUT: JsonDict = {
 
 class TokenizeRequest(RequestBody):
     """POST /tokenize: text (`prompt`) or a conversation (`messages`, rendered by the chat
-    template). `add_special_tokens` defaults to true for text (a start token, if the tokenizer
-    adds one) and false for a conversation (its template places them), as in vLLM."""
+    template as /v1/chat/completions renders it, with the same controls and tools).
+    `add_special_tokens` defaults to true for text (a start token, if the tokenizer adds one)
+    and false for a conversation (its template places them), as in vLLM."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, json_schema_extra=_ONE_INPUT)
+    model_config = ConfigDict(
+        extra="ignore",
+        allow_inf_nan=False,
+        json_schema_extra={"allOf": [_ONE_INPUT, CONTINUING_OPENS_NO_TURN]},
+    )
 
     model: str | None = None
     prompt: str | None = None
@@ -53,12 +52,10 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool | None = False
-    continue_final_message: Any = None
-    chat_template: Any = None
-    chat_template_kwargs: Any = None
-    tools: Any = None
-
-    _refuse_unsupported = refuse_unless_off(UNSUPPORTED_TOKENIZE_FIELDS)
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Tools | None = None
 
     @field_validator("model", "prompt")
     @classmethod
@@ -69,6 +66,8 @@ class TokenizeRequest(RequestBody):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt (text) or messages (a conversation)")
+        if self.continue_final_message and self.messages is not None:
+            check_continuation(self.messages, self.add_generation_prompt)
         return self
 
 
@@ -91,7 +90,15 @@ async def tokenize(ctx: ServingContext, body: TokenizeRequest) -> r.TokenizeResp
     _check_model(ctx, body.model)
     if body.messages is not None:
         add_special = bool(body.add_special_tokens)
-        rendering = ChatRendering(body.add_generation_prompt, add_special)
+        rendering = ChatRendering(
+            add_generation_prompt=body.add_generation_prompt,
+            add_special_tokens=add_special,
+            continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template or ctx.chat_template,
+            template_kwargs=body.chat_template_kwargs,
+            tool_use=ToolUse.of(body.tools, "auto", ctx.tool_format),
+            tool_format=ctx.tool_format,
+        )
         ids, _ = await chat_prompt(ctx, body.messages, rendering)
     else:
         text, add_special = body.prompt or "", body.add_special_tokens is not False

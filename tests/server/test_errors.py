@@ -8,6 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
+from graphguard.engine.tokens.limits import MAX_STOP_STRINGS
 from graphguard.server.errors import APIError, error_response
 
 from .helpers import MODEL, RunningServer
@@ -83,7 +84,7 @@ BAD_REQUESTS = [
     ("prompts_times_n_above_the_cap", COMPLETIONS, _completion(prompt=["a"] * 8, n=9), 400, "n"),
     ("n_zero", COMPLETIONS, _completion(n=0), 400, "n"),
     ("token_id_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 10**9]), 400, "prompt"),
-    ("too_many_stops", COMPLETIONS, _completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("too_many_stops", COMPLETIONS, _completion(stop=["a"] * (MAX_STOP_STRINGS + 1)), 400, "stop"),
     (
         "unknown_role",
         CHAT,

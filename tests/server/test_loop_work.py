@@ -49,4 +49,4 @@ def test_a_long_prompt_is_tokenized_on_a_worker_thread(client: OpenAI, hops: lis
     assert hops == ["_token_ids"]
     messages = [{"role": "user", "content": prompt}]
     client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=1)  # type: ignore[arg-type]
-    assert hops == ["_token_ids", "apply_chat_template"]
+    assert hops == ["_token_ids", "_render_ids"]

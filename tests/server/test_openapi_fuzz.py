@@ -22,14 +22,15 @@ from schemathesis import GenerationMode
 
 from graphguard.engine.config import EngineConfig
 from graphguard.engine.engine import LLMEngine
+from graphguard.server.vllm_fields import OUTPUT_CONSTRAINTS
 
 from .conftest import engine_sharing_weights, serve
 from .helpers import MODEL, RunningServer
 
 API_KEY = "sk-fuzz-0123456789"
-# Room for a short conversation (the chat template adds about 30 tokens) and a few generated
-# tokens.
-FUZZ_ENGINE = EngineConfig(max_model_len=128, max_num_seqs=8, num_kv_blocks=32)
+# Room for a short conversation (the chat template adds about 30 tokens, an offered tool about
+# 90) and a few generated tokens.
+FUZZ_ENGINE = EngineConfig(max_model_len=384, max_num_seqs=8, num_kv_blocks=96)
 # What one valid request may generate: choices (`n`) and tokens per choice.
 MAX_GENERATED_TOKENS = 4
 MAX_MESSAGES, MAX_TEXT_CHARS = 4, 32  # a conversation that fits FUZZ_ENGINE's context
@@ -151,6 +152,7 @@ def _aim_at_the_engine(case: Any, mode: GenerationMode) -> None:
         if None not in (body.get("max_tokens"), body.get("max_completion_tokens")):
             body["max_completion_tokens"] = body["max_tokens"]  # the two names of one limit
         _fit_the_context(body)
+        _fit_the_relations(body)
 
 
 def _fit_the_context(body: dict[str, Any]) -> None:
@@ -162,6 +164,14 @@ def _fit_the_context(body: dict[str, Any]) -> None:
         return
     del messages[MAX_MESSAGES:]
     for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls[:1] if isinstance(calls, list) else []:  # a call is prompt text too
+            function = call.get("function") if isinstance(call, dict) else None
+            for key, value in (function or {}).items():
+                if isinstance(value, str):
+                    function[key] = value[:MAX_TEXT_CHARS]  # type: ignore[index]
+        if isinstance(calls, list):
+            del calls[1:]
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
             message["content"] = content[:MAX_TEXT_CHARS]
@@ -170,3 +180,28 @@ def _fit_the_context(body: dict[str, Any]) -> None:
                 content[index] = {"type": "text", "text": "an image"}
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 part["text"] = part["text"][:MAX_TEXT_CHARS]
+
+
+def _fit_the_relations(body: dict[str, Any]) -> None:
+    """What the document cannot state about one field against another, made to hold: at most
+    max_tokens min_tokens, one output constraint at most, a continued last message the
+    assistant's with text, a tool small enough for the context and a named choice of it."""
+    for name in [name for name in OUTPUT_CONSTRAINTS if name in body][1:]:
+        del body[name]
+    limit = body.get("max_tokens") or body.get("max_completion_tokens") or MAX_GENERATED_TOKENS
+    if type(body.get("min_tokens")) is int and type(limit) is int:
+        body["min_tokens"] = min(body["min_tokens"], limit)
+    messages = body.get("messages")
+    if body.get("continue_final_message") is True and isinstance(messages, list) and messages:
+        messages[-1] = {"role": "assistant", "content": "The answer is"}
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return
+    del tools[1:]  # offered tools are prompt text: one small one fits the context
+    for index, tool in enumerate(tools):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tool["function"].update(name=f"tool_{index}", parameters={"type": "object"})
+            tool["function"].pop("description", None)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and tools:
+        choice["function"]["name"] = "tool_0"

@@ -1,11 +1,12 @@
 """Request fields as vLLM takes them: integers written as whole floats, `stop_token_ids`,
 `top_k`, `max_completion_tokens` on /v1/completions, `stream_options` only with a stream,
-unknown fields ignored and logged; and a 405 that names the allowed methods."""
+unknown fields ignored and logged by a permissive server; and a 405 that names the allowed
+methods."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from graphguard.engine.engine import LLMEngine
 from graphguard.engine.tokens.tokenizer import Tokenizer
 
+from .conftest import TEST_ENGINE, engine_sharing_weights, serve
 from .helpers import MODEL, RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -202,11 +204,16 @@ def test_top_k_one_is_greedy(server: RunningServer) -> None:
         assert top1["choices"][0]["text"] == greedy
 
 
-def test_unknown_fields_are_ignored_and_logged(
-    server: RunningServer, caplog: pytest.LogCaptureFixture
+@pytest.fixture(scope="module")
+def permissive(engine: LLMEngine) -> Iterator[RunningServer]:
+    yield from serve(engine_sharing_weights(engine), TEST_ENGINE, permissive=True)
+
+
+def test_a_permissive_server_ignores_unknown_fields_and_logs_them(
+    permissive: RunningServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="graphguard.server"):
-        answer = _ok(server, COMPLETIONS, max_tokens=1, frobnicate=3, user="someone")
+        answer = _ok(permissive, COMPLETIONS, max_tokens=1, frobnicate=3, user="someone")
     assert _completion_tokens(answer) == 1
     logged = [r.getMessage() for r in caplog.records if "frobnicate" in r.getMessage()]
     assert logged and "CompletionRequest" in logged[0] and "user" not in logged[0]

@@ -86,23 +86,39 @@ def test_tokenize_needs_exactly_one_of_prompt_and_messages(server: RunningServer
         assert "prompt" in response.json()["error"]["message"]
 
 
+CONTINUED = [*QUESTION, {"role": "assistant", "content": "The capital is"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+GREETING = "{{ greeting }}{% for m in messages %}{{ m.content }}|{% endfor %}"
+
+
 @pytest.mark.parametrize(
-    ("field", "off", "on"),
+    ("field", "fields"),
     [
-        ("continue_final_message", False, True),
-        ("chat_template", None, "{{ messages }}"),
-        ("chat_template_kwargs", {}, {"enable_thinking": True}),
-        ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+        (
+            "continue_final_message",
+            {"messages": CONTINUED, "continue_final_message": True, "add_generation_prompt": False},
+        ),
+        ("chat_template", {"chat_template": GREETING}),
+        (
+            "chat_template_kwargs",
+            {"chat_template": GREETING, "chat_template_kwargs": {"greeting": "Hi!"}},
+        ),
+        ("tools", {"tools": [TOOL]}),
     ],
 )
-def test_tokenize_takes_vllms_template_fields_only_at_their_off_values(
-    server: RunningServer, field: str, off: Any, on: Any
+def test_tokenize_renders_vllms_template_fields_as_a_chat_completion_does(
+    server: RunningServer, field: str, fields: dict[str, Any]
 ) -> None:
-    expected = _tokens(server, {"messages": QUESTION})
-    assert _tokens(server, {"messages": QUESTION, field: off}) == expected
-    response = _post(server, "/tokenize", {"messages": QUESTION, field: on})
-    assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == field
+    body = {"messages": QUESTION, **fields}
+    counted = _tokens(server, body)
+    without = {name: value for name, value in body.items() if name != field}
+    assert len(counted) != len(_tokens(server, without))  # the field matters
+    chat = server.openai().chat.completions.create(
+        model=MODEL, messages=body.pop("messages"), max_tokens=1, extra_body=body
+    )
+    assert chat.usage is not None and len(counted) == chat.usage.prompt_tokens
 
 
 def test_tokenize_with_another_model_is_a_404(server: RunningServer) -> None:

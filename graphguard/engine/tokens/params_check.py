@@ -16,6 +16,7 @@ from graphguard.engine.tokens.limits import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
 )
 from graphguard.engine.tokens.structured import InvalidParamError, ResponseFormat
 
@@ -24,11 +25,18 @@ if TYPE_CHECKING:
 
 
 def validate_params(params: SamplingParams) -> None:
-    """Raise ValueError naming the first field whose value cannot be honoured."""
-    _check_numbers(params)
-    _check_counts(params)
-    _check_stops(params)
-    _check_tokens(params)
+    """Raise InvalidParamError (a ValueError) naming the first field whose value cannot be
+    honoured, in its message and as its `param`."""
+    try:
+        _check_numbers(params)
+        _check_counts(params)
+        _check_stops(params)
+        _check_tokens(params)
+    except InvalidParamError:
+        raise
+    except ValueError as exc:  # each message begins with the field's name
+        name = str(exc).split(" ", 1)[0]
+        raise InvalidParamError(name, str(exc)) from None
     if params.response_format is not None and not isinstance(
         params.response_format, ResponseFormat
     ):
@@ -57,10 +65,10 @@ def _check_numbers(p: SamplingParams) -> None:
             raise ValueError(
                 f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(p, name)!r}"
             )
-    if not 0.0 < p.repetition_penalty <= MAX_REPETITION_PENALTY:
+    if not MIN_REPETITION_PENALTY <= p.repetition_penalty <= MAX_REPETITION_PENALTY:
         raise ValueError(
-            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
-            f"got {p.repetition_penalty!r}"
+            f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}], got {p.repetition_penalty!r}"
         )
 
 
@@ -107,7 +115,7 @@ def _check_stops(p: SamplingParams) -> None:
     num_chars = sum(len(s) for s in p.stop)
     if num_chars > MAX_STOP_CHARS:
         raise ValueError(
-            f"stop strings have {num_chars} characters in all; at most {MAX_STOP_CHARS} are allowed"
+            f"stop has {num_chars} characters in all; at most {MAX_STOP_CHARS} are allowed"
         )
 
 

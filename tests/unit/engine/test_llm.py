@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from graphguard.engine import outputs
 from graphguard.engine.llm import LLM, RequestOutput
 from graphguard.engine.models.loader import LoadedModel
 from graphguard.engine.tokens.sampling import SamplingParams
@@ -204,3 +205,16 @@ def test_vllm_keywords_are_taken_or_refused_with_their_reason(embedded_model: Lo
         LLM(embedded_model, swap_space=4)
     with pytest.raises(TypeError):
         SamplingParams(best_of=2)  # type: ignore[call-arg]
+
+
+def test_a_request_whose_sampling_fails_is_an_error_not_an_empty_answer(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(*args: object, **kwargs: object) -> list[int]:
+        raise RuntimeError("probability tensor contains nan")
+
+    monkeypatch.setattr(outputs, "sample", failing)
+    with pytest.raises(RuntimeError, match="2 of 2 requests failed.*nan"):
+        llm.generate(["Hello", "Bye"], SamplingParams(max_tokens=3))
+    monkeypatch.undo()
+    assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].text  # goes on

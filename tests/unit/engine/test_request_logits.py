@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphguard.engine.tokens.limits import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 from graphguard.engine.tokens.logits import RequestLogits, adjusted
 from graphguard.engine.tokens.sampling import SamplingParams, make_generator, sample
+from graphguard.engine.tokens.structured import InvalidParamError
 
 CPU = torch.device("cpu")
 EOS = (0,)
@@ -107,10 +109,22 @@ def test_min_p_keeps_only_tokens_within_its_share_of_the_likeliest():
     assert drawn == {0, 1}
 
 
+@pytest.mark.parametrize("penalty", [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY])
+def test_the_strongest_repetition_penalties_keep_every_logit_finite(penalty):
+    params = SamplingParams(temperature=1.0, repetition_penalty=penalty)
+    params.validate()
+    changes = RequestLogits.build(params, [0, 1], 4, [3], CPU, lambda text: [])
+    logits = torch.tensor([[3.0e4, -3.0e4, 1.0, 0.0]])  # beyond any model's
+    changed = adjusted(logits, [changes], [[]])
+    assert torch.isfinite(changed).all() and changed[0, 0] != logits[0, 0]
+    assert sample(changed, [params], [make_generator(0, CPU)])[0] in range(4)
+
+
 @pytest.mark.parametrize(
     "fields,name",
     [
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # seen logits made infinite
         ({"min_p": 1.5}, "min_p"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"n": 0}, "n"),
@@ -118,13 +132,14 @@ def test_min_p_keeps_only_tokens_within_its_share_of_the_likeliest():
         ({"bad_words": [""]}, "bad_words"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"stop": ["x"] * 1025}, "stop"),
-        ({"stop": ["x" * 70_000]}, "stop strings"),
+        ({"stop": ["x" * 70_000]}, "stop has 70000 characters"),
         ({"skip_special_tokens": 1}, "skip_special_tokens"),
     ],
 )
 def test_each_new_field_is_checked_and_named(fields, name):
-    with pytest.raises(ValueError, match=name):
+    with pytest.raises(InvalidParamError, match=name) as refused:
         SamplingParams(**fields).validate()
+    assert refused.value.param == name.split(" ")[0]  # the field a server's 400 names
 
 
 def test_vllm_style_arguments_are_kept_as_tuples():
