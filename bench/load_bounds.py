@@ -35,29 +35,46 @@ class ClientRun:
 
 
 def listener_pid(port: int) -> int | None:
-    """The process listening on loopback `port` (None when it cannot be found)."""
+    """The process listening on loopback `port` (None when it cannot be found): with
+    `--api-server-count`, the first API server, whose children the others are."""
     if psutil is None:
         return None
     try:
-        for conn in psutil.net_connections(kind="tcp"):
-            if conn.laddr and conn.laddr.port == port and conn.status == "LISTEN":
-                return conn.pid
+        pids = {c.pid for c in psutil.net_connections(kind="tcp") if _listens_on(c, port)}
     except psutil.AccessDenied:
         return None
+    for pid in pids:
+        if not {parent.pid for parent in psutil.Process(pid).parents()} & pids:
+            return pid
     return None
 
 
-def cpu_seconds(pid: int | None) -> dict[str, float]:
-    """CPU seconds (user + system) of `pid` and, apart, of its descendants."""
+def _listens_on(connection: Any, port: int | None) -> bool:
+    address = connection.laddr
+    return bool(address) and address.port == port and connection.status == "LISTEN"
+
+
+def cpu_seconds(pid: int | None, port: int | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) of `pid` ("server"), of each of its children that listen on
+    `port` too ("server_1", ...: the other API server processes), and of the other descendants
+    together ("engine")."""
     if pid is None:
         return {}
     if psutil is None:
         return {"server": _proc_cpu_s(pid)}
     process = psutil.Process(pid)
-    children = process.children(recursive=True)
-    own = process.cpu_times()
-    figures = {"server": own.user + own.system}
-    figures["engine"] = sum(_psutil_cpu_s(child) for child in children)
+    figures = {"server": _psutil_cpu_s(process), "engine": 0.0}
+    for child in process.children(recursive=True):
+        try:
+            listens = any(_listens_on(c, port) for c in child.net_connections(kind="tcp"))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            listens = False
+        if listens:
+            figures[f"server_{sum(name.startswith('server') for name in figures)}"] = _psutil_cpu_s(
+                child
+            )
+        else:
+            figures["engine"] += _psutil_cpu_s(child)
     return figures
 
 
@@ -100,12 +117,16 @@ def bound_report(
     """The figures that say which side bounds the run, and that side ("bound")."""
     client_busy = max(run.cpu_s / run.wall_s for run in runs)
     busy = {name: (cpu_after[name] - cpu_before.get(name, 0.0)) / wall_s for name in cpu_after}
+    servers = [busy.pop(name) for name in list(busy) if name.startswith("server")]
+    if servers:
+        busy["server"] = max(servers)  # the busiest API server process
     steps = counts_after.get("steps", 0.0) - counts_before.get("steps", 0.0)
     report: dict[str, Any] = {
         "num_clients": len(runs),
         "client_cpu_s": [round(run.cpu_s, 3) for run in runs],
         "client_busy_max": round(client_busy, 3),
         "server_busy": round(busy.get("server", float("nan")), 3),
+        "server_busy_each": [round(figure, 3) for figure in servers],
         "engine_busy": round(busy.get("engine", float("nan")), 3),
         "engine_steps": int(steps),
         "engine_step_interval_ms": round(wall_s / steps * 1e3, 3) if steps else None,
@@ -118,8 +139,8 @@ def bound_report(
         per_token_us = 1e6 / num_tokens
         client_cpu_s = sum(run.cpu_s for run in runs)
         report["client_cpu_us_per_token"] = round(client_cpu_s * per_token_us, 1)
-        if "server" in busy:
-            report["server_cpu_us_per_token"] = round(busy["server"] * wall_s * per_token_us, 1)
+        if servers:  # all the API server processes together
+            report["server_cpu_us_per_token"] = round(sum(servers) * wall_s * per_token_us, 1)
     report["bound"] = _verdict(client_busy, busy)
     return report
 

@@ -204,6 +204,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     flags += ["--no-background-capture"] if args.no_background_capture else []
     flags += ["--no-engine-process"] if args.in_process else []
     flags += ["--kernels", args.kernels] if args.kernels else []
+    flags += ["--api-server-count", str(args.api_server_count)]
     return flags
 
 
@@ -218,6 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--in-process", action="store_true", help="local server: the engine on a thread of it"
     )
     parser.add_argument("--kernels", help="local server: its --kernels")
+    parser.add_argument(
+        "--api-server-count", type=int, default=1, help="local server: its HTTP processes"
+    )
     parser.add_argument("--server-pid", type=int, help="with --url: the server's process id")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
@@ -260,10 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()[0]
         graphs_before = httpx.get(f"{url}/v1/graphs").json()
         server_pid = args.server_pid or listener_pid(urlparse(url).port or 80)
-        cpu_before, counts_before = cpu_seconds(server_pid), engine_counts(url)
+        port = urlparse(url).port
+        cpu_before, counts_before = cpu_seconds(server_pid, port), engine_counts(url)
         start_unix = time.time()
         runs, wall_s = run_clients(url, model, args)
-        cpu_after, counts_after = cpu_seconds(server_pid), engine_counts(url)
+        cpu_after, counts_after = cpu_seconds(server_pid, port), engine_counts(url)
         results = [result for run in runs for result in run.results]
         summary: dict[str, Any] = summarize(results, wall_s)
         tpots = [r.tpot_s for r in results if r.tpot_s is not None]
@@ -392,6 +397,7 @@ def _server(args: argparse.Namespace) -> Iterator[tuple[str, str | None, float |
         yield args.url.rstrip("/"), None, None
         return
     with local_serve(server_flags(args), timeout_s=args.start_timeout) as server:
+        args.server_pid = args.server_pid or server.pid
         yield server.url, None, server.start_s
 
 

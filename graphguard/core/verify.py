@@ -75,7 +75,8 @@ def max_abs_diffs(a: Any, b: Any) -> list[float]:
         if x.shape != y.shape or x.dtype != y.dtype:
             found.append(math.inf)
             continue
-        x, y = x.to(y.device).double(), y.double()
+        wide = torch.promote_types(y.dtype, torch.float64)  # complex stays complex
+        x, y = x.to(y.device, wide), y.to(wide)
         both_nan = x.isnan() & y.isnan()
         delta = (x - y).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
         found.append(float(delta.max()) if delta.numel() else 0.0)
@@ -131,10 +132,11 @@ def describe_mismatch(graph_out: Any, eager_out: Any) -> str:
             parts.append(f"out{i}: {tuple(g.shape)}/{g.dtype} vs {tuple(e.shape)}/{e.dtype}")
             continue
         g = g.to(e.device)
-        differ = g.ne(e) & ~(g.isnan() & e.isnan()) if g.is_floating_point() else g.ne(e)
+        differ = g.ne(e) & ~(g.isnan() & e.isnan())  # NOTE: a NaN where eager has one is no diff
         count = int(differ.sum())
-        if count:  # NOTE: over the differing elements: a NaN where eager has one is no diff
-            delta = (g.double() - e.double()).abs().nan_to_num(nan=float("inf"))[differ].max()
+        if count:
+            wide = torch.promote_types(e.dtype, torch.float64)  # complex stays complex
+            delta = (g.to(wide) - e.to(wide)).abs().nan_to_num(nan=float("inf"))[differ].max()
             rows = differ.reshape(differ.shape[0], -1).any(-1).sum() if g.dim() else 1
             where = f"{count}/{g.numel()} elements in {int(rows)} rows"
             parts.append(f"out{i}: {where}, max |diff| {float(delta):.3g}")

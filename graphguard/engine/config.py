@@ -175,7 +175,10 @@ class EngineConfig:
     # tokens one step may run, decodes and prefills together; a longer prompt is prefilled in
     # chunks of what is left. 0 -> step_token_budget(): by the device's memory
     max_num_batched_tokens: int = 0
-    max_model_len: int = 2048
+    # longest prompt plus completion; 0: the model's own context, at most DEFAULT_MAX_MODEL_LEN
+    # (the KV pool is sized for max_num_seqs requests this long). More than the model's is
+    # refused (model_len), as vLLM refuses it.
+    max_model_len: int = 0
     block_size: int = 16
     num_kv_blocks: int = 0  # 0 -> max_num_seqs full-length requests, within a memory allowance
     seed: int = 0
@@ -197,9 +200,13 @@ class EngineConfig:
     graphs: GraphConfig = GraphConfig()
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ValueError(
+                f"max_model_len must be >= 0 (0: the model's own), got {self.max_model_len}"
+            )
         if self.max_num_batched_tokens < 0:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 0 (0: by the device), "
@@ -233,6 +240,24 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
+
+
+DEFAULT_MAX_MODEL_LEN = 2048  # max_model_len 0: the model's context, at most this
+
+
+def model_len(config: EngineConfig, max_positions: int) -> int:
+    """The context the engine serves: config.max_model_len, or where that is 0 the model's
+    `max_positions`, at most DEFAULT_MAX_MODEL_LEN; ValueError where the config asks for more
+    than the model has."""
+    if not config.max_model_len:
+        return min(max_positions, DEFAULT_MAX_MODEL_LEN)
+    if config.max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} is longer than the model's context of "
+            f"{max_positions} tokens (max_position_embeddings in its config.json); give at "
+            f"most {max_positions}"
+        )
+    return config.max_model_len
 
 
 # A step's token budget when the config leaves it to the device (max_num_batched_tokens 0):

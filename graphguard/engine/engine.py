@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphguard.core.export import model_identity
-from graphguard.engine.config import EngineConfig, ModelConfig, step_token_budget
+from graphguard.engine.config import EngineConfig, ModelConfig, model_len, step_token_budget
 from graphguard.engine.graphs.component import EngineGraphs, GraphCapability, build_graphs
 from graphguard.engine.intake import RequestLimits, check_request
 from graphguard.engine.models.forward import EagerForward
@@ -86,7 +86,7 @@ class LLMEngine:
         self.dtype = kernel_set_class(config.kernels).run_dtype or weight.dtype
         self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
         self.model_config: ModelConfig = loaded.config
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.max_model_len = model_len(config, self.model_config.max_position_embeddings)
         # tokens one step may run (config.max_num_batched_tokens, or by the device's memory)
         memory = (
             torch.cuda.get_device_properties(self.device).total_memory
@@ -122,6 +122,7 @@ class LLMEngine:
         self.kernels = select_kernels(config.kernels, self.device, self.dtype)
         self.model.use_kernels(self.kernels.kernels)
         self.kernels.kernels.prepare(self.model)
+        log.info("graphguard: allocating the KV cache (%s, %s)", self.device, self.dtype)
         self.kv = build_kv(config, self.model_config, self.max_model_len, self.device, self.dtype)
         self.scheduler = Scheduler(
             self.kv,
@@ -134,6 +135,7 @@ class LLMEngine:
         # NOTE: kernel compiles at start, not in the first requests. Not under tensor
         # parallelism: the warm-up's collectives would have no partner on the followers.
         if self.device.type == "cuda" and self.link is None:
+            log.info("graphguard: compiling the kernels (one warm-up step)")
             self.forward.warm_up()
         built = self._build_graphs()
         # when the capability proof passes; else why decode runs eagerly

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from graphguard.engine.config import DEFAULT_MAX_MODEL_LEN
 from graphguard.engine.scheduling.kv import PagedKVStorage
 
 if TYPE_CHECKING:
@@ -173,7 +174,7 @@ def warmup_shapes(
     """
     buckets = sorted(config.graphs.batch_buckets)
     cap = next((b for b in buckets if b >= config.max_num_seqs), buckets[-1])
-    length = config.max_model_len if max_model_len is None else max_model_len
+    length = max_model_len or config.max_model_len or DEFAULT_MAX_MODEL_LEN
     max_width = width_bucket(-(-length // config.block_size))
     widths = [1 << i for i in range(max_width.bit_length()) if 1 << i >= MIN_WIDTH_BLOCKS]
     return [b for b in buckets if b <= cap], widths

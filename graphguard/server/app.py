@@ -60,6 +60,7 @@ def build_app(engine: LLMEngine | ServedEngine, config: ServerConfig) -> FastAPI
         permissive=config.permissive,
         defaults=generation_defaults(config.generation_config, info.model_folder),
         chat_template=template,
+        isolate_prefixes=config.prefix_cache_isolation == "key",
         tool_format=tool_call_format(config.tool_call_parser, template or tokenizer.chat_template),
     )
 
@@ -89,8 +90,8 @@ def _add_middleware(app: FastAPI, config: ServerConfig, metrics: ServerMetrics) 
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_request_bytes, timeout_s=config.body_timeout_s
     )
-    if config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     if config.allowed_host_names is not None:
         app.add_middleware(HostCheckMiddleware, allowed=config.allowed_host_names)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # added last: outermost

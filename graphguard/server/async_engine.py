@@ -30,12 +30,9 @@ from graphguard.engine.engine import LLMEngine, RequestOutput
 from graphguard.engine.models.vision import VisionEncoder
 from graphguard.server.engine_messages import EngineRequest
 from graphguard.server.engine_process import add_requests, engine_info
+from graphguard.server.errors import EngineClosedError
 
 logger = logging.getLogger("graphguard.server")
-
-
-class EngineClosedError(RuntimeError):
-    """The server is shutting down and takes no new requests."""
 
 
 class RequestStream:

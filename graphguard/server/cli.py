@@ -7,23 +7,22 @@ Its flags are the settings of `ServerConfig`, `EngineConfig` and `GraphConfig`
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
 import logging
 import os
-import signal
 import socket
 import sys
-from collections.abc import Callable
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import uvicorn
-
+from graphguard.server.api_servers import start_api_servers, stop_api_servers
 from graphguard.server.config import ServerConfig
 from graphguard.server.flags import add_flags, configs_from_args, format_bytes
+from graphguard.server.http_process import (
+    prepare_interpreter,
+    serve,
+)
 
 if TYPE_CHECKING:
+    from graphguard.engine.config import EngineConfig
     from graphguard.engine.engine import LLMEngine
     from graphguard.server.engine_client import EngineProcessClient
     from graphguard.server.engine_messages import EngineInfo
@@ -66,7 +65,11 @@ def describe_access(config: ServerConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `graphguard serve`; returns the process exit code."""
+    """Entry point of `graphguard serve`; returns the process exit code.
+
+    What can be checked before the weights load is: the flags, the port (bound now and held),
+    the model's path and the context it allows. Each failure is one line (with its traceback
+    under --log-level debug) and exit status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -79,15 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     # Before CUDA starts: pinned cuBLAS workspaces keep kernel choice the same on every stream,
     # which bitwise parity between a graph and eager relies on (docs/runtime.md).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # Imported here: `--help` must not pay for torch, transformers and FastAPI.
+    try:
+        listener = bind_listener(config)
+        check_model(config.engine)
+        logger.info("loading %s", config.model_name)
+        engine = start_engine(config)
+    except (OSError, ValueError, RuntimeError) as exc:  # what the setup cannot honour
+        logger.error("cannot start: %s", exc, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return 2
+    # Imported here: `--help` and a refused start must not pay for FastAPI.
     from graphguard.server.app import build_app
 
-    logger.info("loading %s", config.model_name)
-    try:
-        engine = start_engine(config)
-    except ValueError as exc:  # a setting the model or the memory cannot honour
-        logger.error("cannot start: %s", exc)
-        return 2
     app = build_app(engine, config)
     for line in describe_engine(app.state.serving.engine.info, config):
         logger.info("%s", line)
@@ -95,23 +100,35 @@ def main(argv: list[str] | None = None) -> int:
                 config.model_name)  # fmt: skip
     logger.info("%s", describe_access(config))
     prepare_interpreter(config)
-    return serve(app, config)
+    others = start_api_servers(config, listener, getattr(engine, "other_pipes", []))
+    return serve(app, config, listener, before_shutdown=lambda: stop_api_servers(others))
 
 
-def prepare_interpreter(config: ServerConfig) -> None:
-    """Set the interpreter up for serving, once everything is loaded.
+def bind_listener(config: ServerConfig) -> socket.socket:
+    """The server's listening socket, bound before anything slow starts (OSError naming the
+    address when it is taken)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((config.host.strip("[]"), config.port))
+    except OSError as exc:
+        listener.close()
+        raise OSError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from exc
+    listener.listen(2048)
+    listener.set_inheritable(False)
+    return listener
 
-    What the process made at start (torch, the model, the server's modules) is moved out of
-    the collector's reach: full collections over it paused steps for 100-140 ms on a GPU
-    host, several times in a load. What serving makes is collected as before.
 
-    The thread switch interval is `config.switch_interval_ms`: the event loop gives the
-    interpreter lock up at every socket read or write and then waits for the engine thread's
-    step to hand it back, up to one interval each time (docs/serving.md, "How it runs").
-    """
-    gc.collect()
-    gc.freeze()
-    sys.setswitchinterval(config.switch_interval_ms / 1e3)
+def check_model(config: EngineConfig) -> None:
+    """The model's path exists and its context takes max_model_len, where its config can be
+    read without loading it (ValueError, FileNotFoundError)."""
+    from graphguard.engine.config import model_len
+    from graphguard.engine.models.loader import read_model_config
+
+    model_config = read_model_config(config.model)
+    if model_config is not None:
+        model_len(config, model_config.max_position_embeddings)
 
 
 def start_engine(config: ServerConfig) -> LLMEngine | EngineProcessClient:
@@ -121,63 +138,10 @@ def start_engine(config: ServerConfig) -> LLMEngine | EngineProcessClient:
     from graphguard.server.engine_process import build_engine
 
     if config.engine_process:
-        return EngineProcessClient.launch(config.engine, config.log_level)
+        return EngineProcessClient.launch(
+            config.engine, config.log_level, num_servers=config.api_server_count
+        )
     return build_engine(config.engine)
-
-
-def uvicorn_config(
-    app: Any, config: ServerConfig, on_header_timeout: Callable[[bool], None] | None = None
-) -> uvicorn.Config:
-    """uvicorn's settings for serving `app` under `config`: its HTTP protocol is h11 with a
-    deadline for request headers (graphguard/server/timeouts.py), whose timeouts go to
-    `on_header_timeout` (the server's metrics) when given."""
-    from graphguard.server.timeouts import HeaderTimeoutProtocol
-
-    extra = {"on_timeout": on_header_timeout} if on_header_timeout is not None else {}
-    protocol = functools.partial(
-        HeaderTimeoutProtocol, header_timeout_s=config.header_timeout_s, **extra
-    )
-    return uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
-        http=protocol,  # type: ignore[arg-type]  # uvicorn calls it as it calls a class
-    )
-
-
-def serve(app: Any, config: ServerConfig) -> int:
-    """Run `app` under uvicorn until SIGINT or SIGTERM; 0 after a clean shutdown."""
-    uv_config = uvicorn_config(app, config, app.state.serving.metrics.record_header_timeout)
-    server = AbortingServer(uv_config, on_shutdown=app.state.serving.engine.abort_all)
-    # NOTE: uvicorn re-raises the signal it caught once it has shut down, under the handlers
-    # that were installed before it started. Installing no-op handlers here makes a clean
-    # SIGTERM/SIGINT shutdown exit with status 0 instead of dying of the re-raised signal.
-    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1
-
-
-def _ignore_signal(sig: int, frame: FrameType | None) -> None:
-    del sig, frame
-
-
-class AbortingServer(uvicorn.Server):
-    """A uvicorn.Server that aborts in-flight generations before it closes connections, so
-    open streams end at once (finish_reason "abort") instead of running to their end."""
-
-    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_shutdown = on_shutdown
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self._on_shutdown()
-        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,14 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     log_level: str = "info"
-    # Clients must send `Authorization: Bearer <api_key>` (but to /health and /metrics).
+    # Clients must send `Authorization: Bearer <key>` (but to /health and /metrics), one of
+    # these keys, comma separated (vLLM's --api-key takes several too).
     api_key: str | None = field(default=None, repr=False)
+    # Whose cached prompt prefixes a request may reuse: "key", only those of requests under
+    # the same API key (and cache_salt); "shared", those of every request of its cache_salt.
+    # Reuse shows in the time to the first token, so sharing lets one key learn what another
+    # sent (docs/serving.md, Security).
+    prefix_cache_isolation: str = "key"
     # Host header names accepted besides the loopback ones (see `allowed_host_names`).
     allowed_hosts: tuple[str, ...] = ()
     max_request_bytes: int = 4 << 20  # a larger request body gets a 413 before it is parsed
@@ -56,6 +62,9 @@ class ServerConfig:
     # HTTP, tokenizing and SSE framing never hold its interpreter lock; False steps it on a
     # thread of the server's process (for debugging, and for tests that reach into it).
     engine_process: bool = True
+    # API server processes over the one engine process (vLLM's --api-server-count): each
+    # feeds its share of the streams (graphguard/server/api_servers.py)
+    api_server_count: int = 1
     # Seconds uvicorn waits for open responses after a shutdown signal before cancelling them.
     graceful_shutdown_s: float = 5.0
     # A request field this server does not know is a 400 naming it; permissive ignores it
@@ -72,8 +81,17 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not all(key.strip() for key in self.api_key.split(",")):
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
+        if self.api_server_count < 1 or (self.api_server_count > 1 and not self.engine_process):
+            raise ValueError(
+                "api_server_count must be >= 1, and above 1 only with the engine in a process "
+                f"of its own, got {self.api_server_count}"
+            )
+        if self.prefix_cache_isolation not in ("key", "shared"):
+            raise ValueError(
+                f"prefix_cache_isolation must be key or shared, got {self.prefix_cache_isolation!r}"
+            )
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -97,6 +115,11 @@ class ServerConfig:
             return None
         own = self.host.strip("[]").lower()
         return LOOPBACK_NAMES | {own} | {name.lower() for name in self.allowed_hosts}
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys `api_key` lists (none where it is unset)."""
+        return tuple(key.strip() for key in (self.api_key or "").split(",") if key.strip())
 
     @property
     def model_name(self) -> str:

@@ -55,6 +55,7 @@ class ServingContext:
     defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # in place of the model's
     tool_format: ToolCallFormat = HERMES  # how the model writes tool calls (--tool-call-parser)
+    isolate_prefixes: bool = True  # each API key reuses only its own cached prefixes
 
     def check_length(self, texts: list[str], param: str) -> None:
         """Refuse texts that cannot fit the context whatever they tokenize to, cheaply."""

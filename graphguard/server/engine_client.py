@@ -36,8 +36,9 @@ logger = logging.getLogger("graphguard.server")
 MAX_MESSAGES_PER_READ = 64  # then the loop runs other callbacks before reading on
 
 
-class EngineLostError(RuntimeError):
-    """The engine process exited while the server still needed it."""
+class EngineLostError(EngineClosedError):
+    """The engine process exited while the server still needed it (a 503, as a server that
+    is closing answers)."""
 
 
 class RequestRefused(ValueError):
@@ -53,8 +54,9 @@ class EngineProcessClient:
     engine is built; `start` (on the event loop) begins serving."""
 
     def __init__(self, process: Any, conn: Any, info: m.EngineInfo) -> None:
-        self._process = process
+        self._process = process  # None in an API server process that attached to it
         self._conn = conn
+        self.other_pipes: list[Any] = []  # for the other API server processes (launch)
         self.info = info
         self._vision = _vision_settings(info.vision)
         self._stats = info.stats
@@ -65,6 +67,8 @@ class EngineProcessClient:
         self._tickets = itertools.count()
         self._is_closing = self._is_stopping = self._is_lost = self._is_attached = False
         self.num_step_messages = 0  # StepOutputs of steps received (one per step at most)
+        # called on the loop once the engine process is lost (the server then exits, cli.py)
+        self.on_lost: Callable[[], None] | None = None
         self._outbox: queue.SimpleQueue[m.Command | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_commands, name="engine-outbox")
         self._sender.daemon = True
@@ -72,19 +76,25 @@ class EngineProcessClient:
         atexit.register(self._at_exit)
 
     @classmethod
-    def launch(cls, config: EngineConfig, log_level: str = "info") -> EngineProcessClient:
+    def launch(
+        cls, config: EngineConfig, log_level: str = "info", num_servers: int = 1
+    ) -> EngineProcessClient:
         """Start an engine process for `config` and wait for its engine; ValueError when it
-        refuses a setting, RuntimeError when it fails otherwise."""
+        refuses a setting, RuntimeError when it fails otherwise. With `num_servers` above 1
+        it has a pipe for each other API server process too (`other_pipes`, each for
+        `attach` in that process)."""
         context = mp.get_context("spawn")
-        conn, child_conn = context.Pipe(duplex=True)
+        pipes = [context.Pipe(duplex=True) for _ in range(num_servers)]
         # NOTE: not a daemon: under tensor parallelism it starts the other ranks itself.
         process = context.Process(
             target=engine_process_main,
-            args=(child_conn, config, log_level),
+            args=([child for _, child in pipes], config, log_level),
             name="graphguard-engine",
         )
         process.start()
-        child_conn.close()  # so that its exit reads as EOF here
+        for _, child in pipes:
+            child.close()  # so that its exit reads as EOF here
+        conn = pipes[0][0]
         while not conn.poll(0.2):
             if not process.is_alive():
                 raise RuntimeError(f"the engine process exited (code {process.exitcode})")
@@ -92,7 +102,18 @@ class EngineProcessClient:
         if isinstance(first, m.EngineFailed):
             process.join(30)
             raise (ValueError if first.is_config_error else RuntimeError)(first.message)
-        return cls(process, conn, first.info)
+        client = cls(process, conn, first.info)
+        client.other_pipes = [parent for parent, _ in pipes[1:]]
+        return client
+
+    @classmethod
+    def attach(cls, conn: Any) -> EngineProcessClient:
+        """The client of an API server process other than the one that launched the engine
+        process, over its pipe (one of `other_pipes`): it serves requests but does not own
+        the engine's life (its shutdown closes only its pipe)."""
+        first = m.decode(conn.recv_bytes())
+        assert isinstance(first, m.EngineReady), first
+        return cls(None, conn, first.info)
 
     @property
     def pid(self) -> int:
@@ -144,7 +165,8 @@ class EngineProcessClient:
 
     @property
     def is_running(self) -> bool:
-        return not (self._is_closing or self._is_lost) and self._process.is_alive()
+        alive = self._process is None or self._process.is_alive()  # attached: the pipe tells
+        return not (self._is_closing or self._is_lost) and alive
 
     @property
     def vision(self) -> VisionEncoder | None:
@@ -169,13 +191,14 @@ class EngineProcessClient:
             return
         self._is_stopping = True
         self._on_loop(self.abort_all)
-        self._outbox.put(m.Shutdown())
+        self._outbox.put(m.Shutdown())  # an attached server's ends its requests and its pipe
         self._outbox.put(None)
-        self._process.join(timeout_s)
-        if self._process.is_alive():
-            logger.error("the engine process did not stop in %.0f s; terminating it", timeout_s)
-            self._process.terminate()
-            self._process.join(5)
+        if self._process is not None:
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                logger.error("the engine process did not stop in %.0f s; terminating it", timeout_s)
+                self._process.terminate()
+                self._process.join(5)
         self._sender.join(5)
         self._on_loop(self._detach)
         atexit.unregister(self._at_exit)
@@ -274,9 +297,12 @@ class EngineProcessClient:
     def _lose(self) -> None:
         """The engine process exited unasked: fail everyone waiting on it."""
         self._is_lost = True
-        self._process.join(1.0)
+        if self._process is not None:
+            self._process.join(1.0)
         error = EngineLostError(self._closed_reason())
         logger.error("%s; failing %d open requests", error, len(self._streams))
+        if self.on_lost is not None:
+            self.on_lost()
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(error)
@@ -291,7 +317,11 @@ class EngineProcessClient:
 
     def _closed_reason(self) -> str:
         if self._is_lost:
-            return f"the engine process exited (code {self._process.exitcode})"
+            code = "unknown" if self._process is None else self._process.exitcode
+            return (
+                f"the engine process exited (code {code}); the server is exiting so that its "
+                "supervisor can restart it"
+            )
         return "the server is shutting down"
 
     def _detach(self) -> None:

@@ -7,7 +7,8 @@ Under tensor parallelism this process is rank 0 and starts the other ranks itsel
 
 Two threads: a receiver reads commands off the pipe (and answers queries at once, as they
 take the graphs' locks, not the engine's), the step loop applies the others between steps,
-like the in-process AsyncEngine's thread does, and sends one `StepOutputs` a step.
+like the in-process AsyncEngine's thread does, and sends one `StepOutputs` a step to each API
+server process with outputs in it (the others get the stats at most every STATS_INTERVAL_S).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -101,9 +103,11 @@ def describe_engine(engine: LLMEngine) -> list[str]:
     ]
 
 
-def engine_process_main(conn: Connection, config: EngineConfig, log_level: str) -> None:
-    """The engine process: build the engine, say `EngineReady` (or `EngineFailed`), then serve
-    commands until `Shutdown` or until the server's end of the pipe closes."""
+def engine_process_main(conns: list[Connection], config: EngineConfig, log_level: str) -> None:
+    """The engine process: build the engine, say `EngineReady` (or `EngineFailed`) to every
+    server process, then serve their commands until the first one's `Shutdown`, or until its
+    end of the pipe closes. (`conns`: one pipe per API server process, the first the one that
+    started this process.)"""
     # NOTE: Ctrl-C reaches the whole process group; the server decides when the engine ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -112,61 +116,84 @@ def engine_process_main(conn: Connection, config: EngineConfig, log_level: str) 
     try:
         engine = build_engine(config)
     except Exception as exc:  # noqa: BLE001 - reported to the server, which exits with it
-        logger.exception("the engine could not start")
-        conn.send_bytes(m.encode(m.EngineFailed(str(exc), isinstance(exc, ValueError))))
+        # the server says why in one line; the traceback is for --log-level debug
+        logger.debug("the engine could not start", exc_info=True)
+        conns[0].send_bytes(m.encode(m.EngineFailed(str(exc), isinstance(exc, ValueError))))
         return
-    conn.send_bytes(m.encode(m.EngineReady(engine_info(engine, os.getpid()))))
-    EngineLoop(engine, conn).run()
+    ready = m.encode(m.EngineReady(engine_info(engine, os.getpid())))
+    for conn in conns:
+        conn.send_bytes(ready)
+    EngineLoop(engine, conns).run()
+
+
+STATS_INTERVAL_S = 0.1
 
 
 class EngineLoop:
-    """Steps one engine and exchanges messages with the server over `conn`."""
+    """Steps one engine and exchanges messages with the API server processes over `conns`:
+    each request's outputs go to the server that added it; every server gets the stats."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+    def __init__(self, engine: LLMEngine, conns: list[Connection]) -> None:
         self._engine = engine
-        self._conn = conn
-        self._send_lock = threading.Lock()  # the receiver answers queries while steps send
-        self._inbox: queue.SimpleQueue[m.Command] = queue.SimpleQueue()
+        self._conns: dict[int, Connection] = dict(enumerate(conns))  # the open ones
+        self._send_lock = threading.Lock()  # the receivers answer queries while steps send
+        self._inbox: queue.SimpleQueue[tuple[int, m.Command]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._live: set[str] = set()  # admitted, not finished: the ids an abort-all reaches
-        self._receiver = threading.Thread(target=self._receive, name="engine-inbox", daemon=True)
+        # admitted, not finished, by id: the server that added each (what an abort-all reaches)
+        self._live: dict[str, int] = {}
+        self._stats_sent: dict[int, float] = {}  # when each server last got a step's message
+        self._receivers = [
+            threading.Thread(target=self._receive, args=(i,), name=f"engine-inbox-{i}", daemon=True)
+            for i in self._conns
+        ]
 
     def run(self) -> None:
-        self._receiver.start()
+        for receiver in self._receivers:
+            receiver.start()
         try:
             self._serve()
         except Exception:
             logger.exception("the engine loop stopped on an unexpected error")
         finally:
             self._engine.shutdown()
-            self._send(m.EngineStopped())
+            self._send_all(m.EngineStopped())
 
-    def _send(self, message: m.EngineMessage) -> None:
+    def _send(self, server: int, message: m.EngineMessage) -> None:
+        conn = self._conns.get(server)
+        if conn is None:
+            return
         data = m.encode(message)
         try:
             with self._send_lock:
-                self._conn.send_bytes(data)
-        except OSError:  # the server is gone; the receiver ends the loop
+                conn.send_bytes(data)
+        except OSError:  # that server is gone; its receiver tells the loop
             pass
 
-    # ---- receiver thread ---------------------------------------------------------------------
+    def _send_all(self, message: m.EngineMessage) -> None:
+        for server in list(self._conns):
+            self._send(server, message)
 
-    def _receive(self) -> None:
+    # ---- receiver threads --------------------------------------------------------------------
+
+    def _receive(self, server: int) -> None:
+        conn = self._conns[server]
         try:
             while True:
-                command = m.decode(self._conn.recv_bytes())
+                command = m.decode(conn.recv_bytes())
                 if isinstance(command, m.Query):
-                    self._answer(command)
+                    self._answer(server, command)
                     continue
-                self._inbox.put(command)
-                self._wakeup.set()
+                self._put(server, command)
                 if isinstance(command, m.Shutdown):
                     return
-        except (EOFError, OSError):  # the server process has gone: stop with it
-            self._inbox.put(m.Shutdown())
-            self._wakeup.set()
+        except (EOFError, OSError):  # that server process has gone
+            self._put(server, m.Shutdown())
 
-    def _answer(self, query: m.Query) -> None:
+    def _put(self, server: int, command: m.Command) -> None:
+        self._inbox.put((server, command))
+        self._wakeup.set()
+
+    def _answer(self, server: int, query: m.Query) -> None:
         try:
             value: Any
             if query.kind is m.QueryKind.GRAPHS_REPORT:
@@ -174,9 +201,9 @@ class EngineLoop:
             else:
                 registry = self._engine.graph_registry
                 value = None if registry is None else list(registry.collect())
-            self._send(m.Reply(query.ticket, value))
+            self._send(server, m.Reply(query.ticket, value))
         except Exception as exc:  # noqa: BLE001 - handed back to the server
-            self._send(m.Reply(query.ticket, None, error=f"{type(exc).__name__}: {exc}"))
+            self._send(server, m.Reply(query.ticket, None, error=f"{type(exc).__name__}: {exc}"))
 
     # ---- step loop ---------------------------------------------------------------------------
 
@@ -195,40 +222,45 @@ class EngineLoop:
                 self._wakeup.wait()
 
     def _apply_commands(self) -> bool:
-        """Apply the commands received; False on Shutdown. Sends the stats after them."""
+        """Apply the commands received; False on the first server's Shutdown (another's ends
+        its requests and its pipe). Sends the stats after them."""
         num_applied = 0
         while True:
             try:
-                command = self._inbox.get_nowait()
+                server, command = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(command, m.Shutdown):
-                return False
-            if isinstance(command, m.AddRequests):
-                self._add(command)
+                if server == 0:
+                    return False
+                self._abort(server, None)
+                self._conns.pop(server, None)
+            elif isinstance(command, m.AddRequests):
+                self._add(server, command)
             elif isinstance(command, m.AbortRequests):
-                self._abort(command.request_ids)
+                self._abort(server, command.request_ids)
             num_applied += 1
         if num_applied:  # an abort frees KV at once: /metrics shows it without a step
-            self._send(m.StepOutputs([], dict(self._engine.stats()), is_step=False))
+            self._send_all(m.StepOutputs([], dict(self._engine.stats()), is_step=False))
         return True
 
-    def _add(self, command: m.AddRequests) -> None:
+    def _add(self, server: int, command: m.AddRequests) -> None:
         try:
             add_requests(self._engine, command.requests)
         except Exception as exc:  # noqa: BLE001 - handed back to the server, not swallowed
             param = getattr(exc, "param", None)
             is_invalid = isinstance(exc, ValueError)
-            self._send(m.Admitted(command.ticket, str(exc), is_invalid, param))
+            self._send(server, m.Admitted(command.ticket, str(exc), is_invalid, param))
             return
-        self._live.update(request.request_id for request in command.requests)
-        self._send(m.Admitted(command.ticket))
+        self._live.update((request.request_id, server) for request in command.requests)
+        self._send(server, m.Admitted(command.ticket))
 
-    def _abort(self, request_ids: list[str] | None) -> None:
+    def _abort(self, server: int, request_ids: list[str] | None) -> None:
         # The server has ended these streams already; what is left is to free their KV.
-        for request_id in list(self._live) if request_ids is None else request_ids:
-            if request_id in self._live:
-                self._live.discard(request_id)
+        mine = [r for r, owner in self._live.items() if owner == server]
+        for request_id in mine if request_ids is None else request_ids:
+            if self._live.get(request_id) == server:
+                del self._live[request_id]
                 self._engine.abort_request(request_id)
 
     def _step(self) -> None:
@@ -238,22 +270,34 @@ class EngineLoop:
             logger.exception("engine step failed; failing its %d requests", len(self._live))
             self._fail_all(str(exc))
             return
-        rows = []
+        rows: dict[int, list[m.OutputRow]] = {}
         for output in outputs:
-            if output.request_id not in self._live:
+            server = self._live.get(output.request_id)
+            if server is None:
                 continue  # aborted: the server ended its stream already
             if output.finished:
-                self._live.discard(output.request_id)
-            rows.append(m.output_row(output))
-        self._send(m.StepOutputs(rows, dict(self._engine.stats()), is_step=True))
+                del self._live[output.request_id]
+            rows.setdefault(server, []).append(m.output_row(output))
+        stats = dict(self._engine.stats())
+        now = time.monotonic()
+        for server in list(self._conns):
+            # NOTE: a server without outputs this step gets the stats (for /metrics) at most
+            # every STATS_INTERVAL_S: one that is slow to read, or stopped, fills its pipe with
+            # steps' messages far later, and each step sends less
+            server_rows = rows.get(server, [])
+            if server_rows or now - self._stats_sent.get(server, 0.0) >= STATS_INTERVAL_S:
+                self._stats_sent[server] = now
+                self._send(server, m.StepOutputs(server_rows, stats, is_step=True))
 
     def _fail_all(self, error: str) -> None:
-        """End every request after a step error: free what can be freed, tell the server."""
-        failed, self._live = list(self._live), set()
+        """End every request after a step error: free what can be freed, tell the servers."""
+        failed, self._live = self._live, {}
         for request_id in failed:
             try:
                 self._engine.abort_request(request_id)
             except Exception:  # noqa: BLE001 - the engine is already failing; keep going
                 logger.exception("abort of %s failed after a step error", request_id)
         stats = dict(self._engine.stats())
-        self._send(m.StepOutputs([], stats, is_step=True, failed=failed, error=error))
+        for server in list(self._conns):
+            ids = [request_id for request_id, owner in failed.items() if owner == server]
+            self._send(server, m.StepOutputs([], stats, is_step=True, failed=ids, error=error))

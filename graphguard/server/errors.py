@@ -110,6 +110,15 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
     return response
 
 
+class EngineClosedError(RuntimeError):
+    """The server is shutting down, or its engine is gone: it takes no new requests (503)."""
+
+
+async def _on_engine_closed(_: Request, exc: Exception) -> JSONResponse:
+    # the engine is shutting down or gone: a 503 that says which, never a 500
+    return error_response(APIError(503, str(exc), error_type="server_error"))
+
+
 async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error while serving a request", exc_info=exc)
     return error_response(APIError(500, "internal server error", error_type="server_error"))
@@ -120,4 +129,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(EngineClosedError, _on_engine_closed)
     app.add_exception_handler(Exception, _on_unexpected_error)

@@ -23,6 +23,13 @@ from graphguard.engine.config import (
     engine_config,
 )
 from graphguard.server.config import API_KEY_ENV, LOG_LEVELS, ServerConfig
+from graphguard.server.vllm_flags import (
+    add_prefix_caching_aliases,
+    add_vllm_flags,
+    alias_options,
+    checked_vllm_flags,
+    dtype_name,
+)
 
 _SERVER = ServerConfig()
 _ENGINE = _SERVER.engine
@@ -99,6 +106,7 @@ FLAGS: dict[str, Flag] = {
         "auto is bfloat16 on CUDA and float32 on CPU; bfloat16 on a CPU with native "
         "bfloat16 decodes about 1.7x faster (default: {default})",
         choices=("auto", "float32", "bfloat16", "float16"),
+        type=dtype_name,  # vLLM's half, bf16 and float too
     ),
     "max_model_len": Flag(
         "model",
@@ -237,10 +245,17 @@ FLAGS: dict[str, Flag] = {
     "log_level": Flag("server", "(default: {default})", choices=LOG_LEVELS),
     "api_key": Flag(
         "server",
-        "require 'Authorization: Bearer KEY' on every route but /health and /metrics; the "
-        f"environment variable {API_KEY_ENV} sets it without showing it in the process list "
-        "(default: none)",
-        metavar="KEY",
+        "require 'Authorization: Bearer KEY' on every route but /health and /metrics, KEY one "
+        "of these, comma separated (one per tenant); the environment variable "
+        f"{API_KEY_ENV} sets them without showing them in the process list (default: none)",
+        metavar="KEY[,KEY...]",
+    ),
+    "prefix_cache_isolation": Flag(
+        "server",
+        "whose cached prompt prefixes a request may reuse: key, only those of its own API key "
+        "(and cache_salt), so that one key cannot time what another sent; shared, any "
+        "request's of its cache_salt (default: {default})",
+        choices=("key", "shared"),
     ),
     "allowed_hosts": Flag(
         "server",
@@ -304,6 +319,14 @@ FLAGS: dict[str, Flag] = {
         "SmolLM) or llama3_json; auto reads it from the chat template (default: {default})",
         metavar="auto|hermes|llama3_json",
     ),
+    "api_server_count": Flag(
+        "server",
+        "HTTP server processes over the one engine process, sharing the port: each feeds its "
+        "share of the streams, so the server keeps up with the engine at many streams "
+        "(vLLM's flag) (default: {default})",
+        type=int,
+        metavar="N",
+    ),
     "engine_process": Flag(
         "server",
         "step the engine on a thread of the server's process instead of in a process of its "
@@ -357,6 +380,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     groups = {name: parser.add_argument_group(name) for name in ("model", "engine", "server")}
     for name, flag in FLAGS.items():
         _add_flag(groups[flag.group], name, flag)
+    add_prefix_caching_aliases(groups["engine"])
+    add_vllm_flags(parser)
 
 
 def _add_flag(group: argparse._ArgumentGroup, name: str, flag: Flag) -> None:
@@ -368,11 +393,13 @@ def _add_flag(group: argparse._ArgumentGroup, name: str, flag: Flag) -> None:
         options["action"] = "store_false" if flag.no_ else "store_true"
     else:
         options.update(type=flag.type, metavar=flag.metavar, choices=flag.choices)
-    group.add_argument(spelled, **options)
+    group.add_argument(spelled, *alias_options(spelled), **options)
 
 
 def configs_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The frozen ServerConfig (with its EngineConfig) that `args` describe."""
+    """The frozen ServerConfig (with its EngineConfig) that `args` describe; ValueError naming
+    what they give that cannot be served (vLLM's flags among them)."""
+    checked_vllm_flags(args)
     values = {name: getattr(args, name) for name in FLAGS}
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None

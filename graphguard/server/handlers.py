@@ -42,6 +42,7 @@ from graphguard.server.formatting import (
 )
 from graphguard.server.images import ChatRendering, chat_prompt
 from graphguard.server.metrics import RequestTrace
+from graphguard.server.security import key_id
 from graphguard.server.tool_calls import ToolUse
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
@@ -70,7 +71,7 @@ async def create_completion(
     params: list[SamplingParams] = []
     for index, ids in enumerate(prompt_ids):
         with _naming_prompt(index, len(prompt_ids)):
-            params.append(_completion_params(ctx, body, ids))
+            params.append(salted(ctx, http_request, _completion_params(ctx, body, ids)))
     await _check_response_format(body.engine_response_format)
     prompts = [
         CompletionPrompt(ids, _echo_text(ctx, prompt, ids) if body.echo else None)
@@ -200,6 +201,7 @@ async def create_chat_completion(
     params = sampling_params(
         ctx, body, len(prompt_ids), body.requested_max_tokens, constraint, prompt_param="messages"
     )
+    params = salted(ctx, http_request, params)
     await _check_response_format(constraint)
     fmt = ChatFormat(
         ctx.model_name, ctx.tokenizer, params.logprobs is not None, body.n,
@@ -275,6 +277,16 @@ def sampling_params(
         raise APIError(400, str(exc), param=param, code="invalid_value") from exc
     _check_vocabulary_ids(ctx, params)
     return params
+
+
+def salted(ctx: ServingContext, http_request: Request, params: SamplingParams) -> SamplingParams:
+    """`params` with the request's API key in its cache salt where the server keeps keys'
+    cached prefixes apart (--prefix-cache-isolation key): a key reuses only its own."""
+    key = key_id(http_request.scope.get("state", {}))
+    if not ctx.isolate_prefixes or key is None:
+        return params
+    salt = f"key:{key}" + (f"\0{params.cache_salt}" if params.cache_salt else "")
+    return replace(params, cache_salt=salt)
 
 
 def _check_vocabulary_ids(ctx: ServingContext, params: SamplingParams) -> None:

@@ -434,9 +434,17 @@ class ChatCompletionRequest(_GenerationRequest):
         Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS), WHOLE_NUMBER] | None
     ) = None
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_fits_the_tools(
+        cls, choice: ToolChoice | None, info: ValidationInfo
+    ) -> ToolChoice | None:
+        if "tools" in info.data:  # NOTE: else the tools were refused, and that is the error
+            check_tools(info.data["tools"], choice)
+        return choice
+
     @model_validator(mode="after")
-    def _tools_fit_the_choice(self) -> Self:
-        check_tools(self.tools, self.tool_choice)
+    def _tool_calls_alone(self) -> Self:
         constrained = self.tool_choice not in (None, "auto", "none") and self.tools
         if constrained and self.engine_response_format is not None:
             raise ValueError(

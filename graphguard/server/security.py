@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from graphguard.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (probes, scrapes)
+KEY_ID = "graphguard_api_key_id"  # the scope state's entry naming an authorized request's key
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -60,18 +62,25 @@ class HostCheckMiddleware:
 
 
 class APIKeyMiddleware:
-    """Answers 401 to a request without `Authorization: Bearer <api_key>`, but on OPEN_PATHS.
+    """Answers 401 to a request without `Authorization: Bearer <key>` for one of `api_keys`,
+    but on OPEN_PATHS. An authorized request carries its key's id (`key_id`) in its ASGI
+    scope's state, for the prefix cache to keep keys apart.
 
     Keys are compared as SHA-256 digests with `hmac.compare_digest`: in constant time, and
-    without the time depending on the length of the key sent.
+    without the time depending on the length of the key sent (every key is compared).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
-        self._key_digest = hashlib.sha256(api_key.encode()).digest()
+        self._digests = [hashlib.sha256(key.encode()).digest() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._is_authorized(scope):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        key_id = self._key_id(scope)
+        if key_id is not None:
+            scope.setdefault("state", {})[KEY_ID] = key_id
             await self.app(scope, receive, send)
             return
         message = "Missing or incorrect API key: send it as 'Authorization: Bearer <key>'."
@@ -79,7 +88,20 @@ class APIKeyMiddleware:
         response.headers["www-authenticate"] = "Bearer"
         await response(scope, receive, send)
 
-    def _is_authorized(self, scope: Scope) -> bool:
+    def _key_id(self, scope: Scope) -> str | None:
+        """The id of the key the request sends (a digest's prefix, never the key), or None."""
         scheme, _, key = (header(scope, b"authorization") or b"").partition(b" ")
         digest = hashlib.sha256(key.strip()).digest()
-        return hmac.compare_digest(digest, self._key_digest) and scheme.lower() == b"bearer"
+        found = None
+        for known in self._digests:  # all of them: the time names no key
+            if hmac.compare_digest(digest, known):
+                found = known
+        if found is None or scheme.lower() != b"bearer":
+            return None
+        return found[:8].hex()
+
+
+def key_id(state: Mapping[str, object]) -> str | None:
+    """The API key id an authorized request's state carries (None without API keys)."""
+    value = state.get(KEY_ID)
+    return value if isinstance(value, str) else None

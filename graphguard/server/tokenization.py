@@ -25,6 +25,14 @@ from graphguard.server.protocol import CONTINUING_OPENS_NO_TURN, ChatMessage, ch
 from graphguard.server.tool_calls import Tools, ToolUse
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# chat's rule, for the messages form only: a prompt has no turns, so its flags are unread
+_CONTINUING_A_CONVERSATION: JsonDict = {
+    "if": {
+        "required": ["messages", "continue_final_message"],
+        "properties": {"continue_final_message": {"const": True}},
+    },
+    "then": CONTINUING_OPENS_NO_TURN["then"],
+}
 # Exactly one of `prompt` and `messages`, as the document states it.
 _ONE_INPUT: JsonDict = {
     "oneOf": [
@@ -43,7 +51,7 @@ class TokenizeRequest(RequestBody):
     model_config = ConfigDict(
         extra="ignore",
         allow_inf_nan=False,
-        json_schema_extra={"allOf": [_ONE_INPUT, CONTINUING_OPENS_NO_TURN]},
+        json_schema_extra={"allOf": [_ONE_INPUT, _CONTINUING_A_CONVERSATION]},
     )
 
     model: str | None = None

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool
+from pydantic import AfterValidator, Field, StrictBool
 
 from graphguard.engine.tokens.structured import ResponseFormat, ResponseFormatKind
 from graphguard.server import responses as r
@@ -66,14 +66,21 @@ class NamedToolChoice(RequestBody):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-Tools = Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]
+
+
+def _distinct_names(tools: list[ChatTool]) -> list[ChatTool]:
+    names = [tool.function.name for tool in tools]
+    if len(set(names)) < len(names):
+        raise ValueError("tools must have distinct names")
+    return tools
+
+
+Tools = Annotated[list[ChatTool], Field(max_length=MAX_TOOLS), AfterValidator(_distinct_names)]
 
 
 def check_tools(tools: list[ChatTool] | None, choice: ToolChoice | None) -> None:
-    """ValueError where `tool_choice` asks for a tool that `tools` lacks, or names repeat."""
+    """ValueError where `tool_choice` asks for a tool that `tools` lacks."""
     names = [tool.function.name for tool in tools or []]
-    if len(set(names)) < len(names):
-        raise ValueError("tools must have distinct names")
     if choice in ("required", None, "none", "auto"):
         if choice == "required" and not names:
             raise ValueError('tool_choice "required" needs tools')
@@ -139,14 +146,15 @@ def adapt_history(
     fmt: ToolCallFormat,
     tool_use: ToolUse | None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and tools as `template` takes them: unchanged where it renders them;
-    else the tools offered in a system message and the history's calls and results written
-    in `fmt`'s markup, as text."""
+    """The messages and tools as `template` takes them: each unchanged where it renders
+    them; else the tools offered in a system message, and the history's calls and results
+    written in `fmt`'s markup, as text."""
     tools = tool_use.template_tools if tool_use else None
     renders_tools = _RENDERS_TOOLS.search(template) is not None
-    if renders_tools and _RENDERS_CALLS.search(template):
-        return messages, tools
-    adapted = [_as_text(message, fmt) for message in messages]
+    if _RENDERS_CALLS.search(template):
+        adapted = messages
+    else:
+        adapted = [_as_text(message, fmt) for message in messages]
     if tool_use is None or renders_tools:
         return adapted, tools
     offer = fmt.instructions(tool_use.tools)

@@ -10,6 +10,7 @@ admission check can be exercised.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -26,12 +27,16 @@ from graphguard.engine.config import EngineConfig  # noqa: E402
 from graphguard.engine.engine import LLMEngine  # noqa: E402
 from graphguard.engine.models.loader import LoadedModel  # noqa: E402
 from graphguard.server.app import build_app  # noqa: E402
-from graphguard.server.cli import start_engine, uvicorn_config  # noqa: E402
+from graphguard.server.cli import start_engine  # noqa: E402
 from graphguard.server.config import ServerConfig  # noqa: E402
+from graphguard.server.http_process import uvicorn_config  # noqa: E402
 
 from .helpers import RunningServer, free_port  # noqa: E402
 
 TEST_ENGINE = EngineConfig(max_model_len=1024, max_num_seqs=16, num_kv_blocks=64)
+# The shared server's engine process loads its own weights: the 4-bit CPU kernels, as
+# `graphguard serve` runs the embedded model here (about 7x float32's decode speed)
+SERVER_ENGINE = dataclasses.replace(TEST_ENGINE, kernels="q4")
 
 
 @pytest.fixture(scope="session")
@@ -41,7 +46,7 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[RunningServer]:
-    yield from serve(None, TEST_ENGINE)
+    yield from serve(None, SERVER_ENGINE)
 
 
 def engine_sharing_weights(engine: LLMEngine, config: EngineConfig = TEST_ENGINE) -> LLMEngine:

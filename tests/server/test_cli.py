@@ -10,20 +10,18 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
-from graphguard.server.cli import (
-    build_parser,
-    config_from_args,
-    main,
-    prepare_interpreter,
-    uvicorn_config,
-)
+from graphguard.server.cli import build_parser, config_from_args, main
 from graphguard.server.config import API_KEY_ENV, ServerConfig
 from graphguard.server.flags import FLAGS, NOT_FLAGS, setting_names
+from graphguard.server.http_process import ENGINE_LOST_STATUS, prepare_interpreter, uvicorn_config
 from graphguard.server.timeouts import HeaderTimeoutProtocol
 
 from .helpers import MODEL, BackgroundStream, free_port, wait_for
@@ -190,3 +188,73 @@ def test_the_switch_interval_flag_sets_the_interpreters_once_serving(capsys):
     with pytest.raises(SystemExit):
         main(["--switch-interval-ms", "0"])
     assert "switch_interval_ms must be positive" in capsys.readouterr().err
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process among the server's children (not multiprocessing's tracker)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    for pid in map(int, children):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"resource_tracker" not in command:
+            return pid
+    raise AssertionError(f"no engine process among {children}")
+
+
+def test_a_dead_engine_process_answers_503s_and_the_server_exits_non_zero(
+    serve_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, base_url = serve_process
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True}
+    stream = BackgroundStream(f"{base_url}/v1/completions", {**body, "stream": True})
+    assert stream.first_line.wait(30)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{base_url}/v1/completions", json=body, timeout=30)
+        time.sleep(0.5)  # admitted, generating
+        os.kill(_engine_pid(process.pid), signal.SIGKILL)
+        answer = waiting.result()
+    assert answer.status_code == 503 and "engine process exited" in answer.text
+    assert stream.ended(10) and stream.lines[-1] == "data: [DONE]"  # no request hangs
+    assert process.wait(timeout=10) == ENGINE_LOST_STATUS  # for its supervisor to restart
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # NOTE: a zombie has exited; its reaping is its new parent's
+
+
+def test_api_server_processes_share_the_port_and_stop_with_the_first() -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "graphguard.server.cli", "--port", str(port), "--api-server-count",
+        "2", "--max-model-len", "512", "--max-num-seqs", "16", "--num-kv-blocks", "128",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _is_healthy(base_url), timeout_s=90), "serve never got healthy"
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True}
+        os.kill(process.pid, signal.SIGSTOP)  # the first process takes no connection
+        try:
+            answer = httpx.post(
+                f"{base_url}/v1/completions", json={**body, "max_tokens": 4}, timeout=60
+            )
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        streams = [
+            BackgroundStream(f"{base_url}/v1/completions", {**body, "stream": True})
+            for _ in range(8)
+        ]
+        assert all(stream.first_line.wait(60) for stream in streams)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert all(stream.ended_cleanly(10) for stream in streams), [s.error for s in streams]
+        assert wait_for(lambda: not any(_is_running(int(pid)) for pid in children), timeout_s=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -108,15 +108,14 @@ BAD_REQUESTS = [
     ("logit_bias_not_a_token_id", CHAT, _chat(logit_bias={"x": 1}), 400, "logit_bias"),
     ("logit_bias_past_the_vocab", CHAT, _chat(logit_bias={"49152": 1}), 400, "logit_bias"),
     ("logit_bias_string_value", CHAT, _chat(logit_bias={"42": "5"}), 400, "logit_bias.42"),
-    # Unimplemented OpenAI features are refused rather than silently missing from the answer.
     (
-        "tools",
+        "tools_with_one_name_twice",
         CHAT,
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
         400,
         "tools",
     ),  # fmt: skip
-    ("tool_choice", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice_required_without_tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
     (
         "response_format_unknown_type",
         CHAT,

@@ -154,13 +154,3 @@ def test_a_bad_schema_is_a_400_naming_response_format_and_leaves_nothing(
     assert refused.value.body["param"] == "response_format"  # type: ignore[index]
     assert server.engine.stats()["num_generated_tokens"] == before
     assert server.engine.stats()["num_running"] == 0 and server.engine.stats()["num_waiting"] == 0
-
-
-def test_tool_calls_are_still_refused(client: OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=QUESTION,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-        )
-    assert refused.value.body["param"] == "tools"  # type: ignore[index]

@@ -122,9 +122,11 @@ class EngineGraphs:
             self._prewarm_from(self.config.manifest)
         if not self.config.warmup:
             if self.config.price_captures:
+                log.info("graphguard: capturing a ladder of graphs to price captures")
                 self._price_captures(warmup_keys, prefill_tokens)
             return
         batch_sizes, widths = warmup_keys
+        log.info("graphguard: capturing %d decode graphs", len(batch_sizes) * len(widths))
         report = self.warm_decode(batch_sizes, widths)
         log.info(
             "graphguard decode warmup: %d of %d keys captured in %.1f s",

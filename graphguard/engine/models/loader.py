@@ -66,7 +66,7 @@ def load_model(
         f"({torch_dtype}, {device})"
     )
     logger.info(summary)
-    if progress:
+    if progress and not logger.isEnabledFor(logging.INFO):  # said once: in the log, else here
         print(f"graphguard: {summary}", file=sys.stderr, flush=True)
     return LoadedModel(name, model, config, tokenizer, load_path=load_path, folder=folder)
 
@@ -107,18 +107,42 @@ def embedded_gguf_path() -> Path:
 
 def _resolve_folder(source: str | None, progress: bool) -> tuple[str, Path, str]:
     """(name, Hugging Face style folder, load path) for a load_model source."""
+    name, gguf, folder = _located(source)
+    if gguf is None:
+        assert folder is not None
+        return name, folder, "hf-folder"
+    converted, load_path = gguf_to_folder(gguf, progress)
+    return name, converted, load_path
+
+
+def _located(source: str | None) -> tuple[str, Path | None, Path | None]:
+    """(name, GGUF file, folder) of a load_model source: one of the two is None;
+    FileNotFoundError naming the source where it is neither."""
     if source is None or source == "embedded":
-        folder, load_path = gguf_to_folder(embedded_gguf_path(), progress)
-        return EMBEDDED_NAME, folder, load_path
+        return EMBEDDED_NAME, embedded_gguf_path(), None
     path = Path(source).expanduser()
     if path.is_dir():
-        return path.name, path, "hf-folder"
+        return path.name, None, path
     if path.suffix == ".gguf" and path.is_file():
-        folder, load_path = gguf_to_folder(path, progress)
-        return path.stem, folder, load_path
+        return path.stem, path, None
     raise FileNotFoundError(
         f"model source {source!r} is neither 'embedded', a folder, nor an existing .gguf file"
     )
+
+
+def read_model_config(source: str | None) -> ModelConfig | None:
+    """`source`'s config without its weights: a folder's config.json, or a GGUF file's cached
+    conversion; None where the file still needs converting. FileNotFoundError (naming it)
+    where there is no such model."""
+    _, gguf, folder = _located(source)
+    where = source_cache_folder(gguf) if gguf is not None else folder
+    assert where is not None
+    config_path = where / "config.json"
+    if not config_path.is_file():
+        if gguf is None:
+            raise FileNotFoundError(f"model folder {folder} has no config.json")
+        return None
+    return config_from_hf(json.loads(config_path.read_text(encoding="utf-8")))
 
 
 def gguf_to_folder(gguf_path: Path, progress: bool = True) -> tuple[Path, str]:
@@ -174,7 +198,8 @@ def _read_weights(
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             names = list(handle.keys())
             desc = f"graphguard: loading {file.name}"
-            for hf_name in tqdm(names, desc=desc, disable=not progress, leave=False):
+            # NOTE: disable=None: a bar only on a terminal (a log keeps no half-drawn bars)
+            for hf_name in tqdm(names, desc=desc, disable=None if progress else True, leave=False):
                 name = _our_name(hf_name, config)
                 if name is not None:
                     yield name, handle.get_tensor(hf_name)

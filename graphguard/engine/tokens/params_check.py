@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from graphguard.engine.tokens.limits import (
     MAX_BAD_WORDS,
@@ -20,8 +20,8 @@ from graphguard.engine.tokens.limits import (
 )
 from graphguard.engine.tokens.structured import InvalidParamError, ResponseFormat
 
-if TYPE_CHECKING:
-    from graphguard.engine.tokens.sampling import SamplingParams
+# a SamplingParams: sampling.py imports this module, so it is not named here (no cycle)
+SamplingParams = Any
 
 
 def validate_params(params: SamplingParams) -> None:

@@ -35,3 +35,20 @@ def test_a_client_busy_all_the_wall_is_the_bound() -> None:
     report = bound_report(runs, 2.0, {"server": 0.0}, {"server": 0.2}, {}, {}, None)
 
     assert report["bound"] == "client"
+
+
+def test_with_several_api_servers_the_busiest_is_the_servers_figure() -> None:
+    runs = [_run([400], cpu_s=0.2, wall_s=2.0)]
+    report = bound_report(
+        runs,
+        wall_s=2.0,
+        cpu_before={"server": 0.0, "server_1": 0.0, "engine": 0.0},
+        cpu_after={"server": 0.4, "server_1": 1.8, "engine": 1.0},
+        counts_before={},
+        counts_after={},
+        tpot_p50_s=None,
+    )
+
+    assert report["server_busy_each"] == [0.2, 0.9]
+    assert report["server_busy"] == 0.9 and report["bound"] == "server"
+    assert report["server_cpu_us_per_token"] == 5500.0  # 2.2 s of both over 400 tokens

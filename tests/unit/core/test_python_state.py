@@ -4,10 +4,15 @@ record run answers the call."""
 
 from __future__ import annotations
 
+import types
+
+import pytest
 import torch
 
 import graphguard as gg
+import graphguard.core.pystate as pystate
 from graphguard.core.pystate import PyState
+from graphguard.core.state import PythonState, StateOptions, watch_step
 from tests.unit.core.stand_ins import kernel
 
 EAGER_FIRST = gg.AdmissionConfig(min_hits=1)
@@ -351,3 +356,37 @@ def test_a_reverified_replay_whose_step_now_changes_python_state_runs_it_once():
     step.counting = True  # the caller's change; the next re-verification sees the new path
     assert torch.equal(runner(torch.ones(2)), torch.full((2,), 2.0))
     assert step.n == 1 and runner.stats()["fallbacks"] == {"parity_mismatch": 1}
+
+
+def test_a_tensor_the_step_keeps_where_the_python_walk_does_not_reach_is_refused():
+    history = types.ModuleType("history")  # modules are never walked: only `kept` can see it
+    history.sums = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out = x * 2
+        history.sums.append(out.sum())  # made by the step, held by a Python list
+        return out
+
+    with pytest.raises(PythonState) as refused:
+        watch_step(step, [torch.ones(2)], torch.device("cpu"), StateOptions())
+    assert str(refused.value) == (
+        "python_state: the step kept 1 tensors it created (state held in Python objects, such "
+        "as a cache that grows by concatenation)"
+    )
+    assert torch.equal(refused.value.outputs, torch.full((2,), 2.0))  # the run answers the call
+
+
+def test_what_an_unwatched_object_holds_is_never_walked(monkeypatch, caplog):
+    monkeypatch.setattr(pystate, "MAX_OBJECTS", 20)
+    entries = [types.SimpleNamespace(n=i) for i in range(30)]  # more objects than a walk takes
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * len(entries)
+
+    PyState.of([step])
+    assert "a step reaches over 20 objects" in caplog.text  # watched, the entries are walked
+    caplog.clear()
+    options = StateOptions(unwatched=(entries,))
+    recorded = watch_step(step, [torch.ones(2)], torch.device("cpu"), options)
+    assert recorded.python_differs([step], options.unwatched) is None
+    assert "reaches over" not in caplog.text

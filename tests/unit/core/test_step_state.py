@@ -59,7 +59,37 @@ class IndexPut:
         return self.rows.sum(0)
 
 
-STEPS = {"twice": (Twice, (4,)), "index_copy": (IndexCopy, (2, 3)), "index_put": (IndexPut, (2, 3))}
+class OutArgument:
+    """A read-modify-write through an op's `out=` argument (passed by keyword, never by
+    position)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.ones(4)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        torch.neg(self.buffer * 2 + x, out=self.buffer)
+        return self.buffer * 1
+
+
+class ForEach:
+    """A read-modify-write of two rows by one op that writes a list of tensors."""
+
+    def __init__(self) -> None:
+        self.rows = torch.ones(2, 3)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        torch._foreach_mul_([self.rows[0], self.rows[1]], 3.0)
+        torch._foreach_add_([self.rows[0], self.rows[1]], [x, x])
+        return self.rows.sum(0)
+
+
+STEPS = {
+    "twice": (Twice, (4,)),
+    "index_copy": (IndexCopy, (2, 3)),
+    "index_put": (IndexPut, (2, 3)),
+    "out_argument": (OutArgument, (4,)),
+    "foreach": (ForEach, (3,)),
+}
 
 
 def state_of(step) -> torch.Tensor:
@@ -271,3 +301,57 @@ def test_the_refusals_of_declared_and_large_state_name_why(caplog):
         torch.ones(2, 3)
     )
     assert "saving what it writes takes over 4 bytes" in caplog.text
+
+
+def test_the_record_runs_outputs_are_copies_that_undo_leaves_as_the_run_made_them():
+    from graphguard.core.state import StateOptions, watch_step
+
+    buffer = torch.zeros(3)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return buffer.add_(x)  # the state itself is the answer
+
+    recorded = watch_step(step, [torch.ones(3)], torch.device("cpu"), StateOptions())
+    recorded.state.undo()
+    assert torch.equal(buffer, torch.zeros(3))
+    assert torch.equal(recorded.outputs, torch.ones(3))
+
+
+def test_the_record_runs_outputs_that_are_no_tensors_are_kept_as_they_are():
+    from graphguard.core.state import StateOptions, watch_step
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, str, int]:
+        return x * 2, "done", 3
+
+    recorded = watch_step(step, [torch.ones(2)], torch.device("cpu"), StateOptions())
+    doubled, label, count = recorded.outputs
+    assert torch.equal(doubled, torch.full((2,), 2.0)) and (label, count) == ("done", 3)
+
+
+def test_regions_are_copies_of_what_was_written_where_they_live_or_on_the_device_asked_for():
+    from graphguard.core.state import StateOptions, watch_step
+
+    buffer = torch.zeros(3)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return buffer.add_(x) * 1
+
+    state = watch_step(step, [torch.ones(3)], torch.device("cpu"), StateOptions()).state
+    (region,) = state.regions()
+    region.fill_(9.0)
+    assert torch.equal(buffer, torch.ones(3)) and region.device == buffer.device
+    (moved,) = state.regions(torch.device("meta"))  # another device than the state's
+    assert moved.device == torch.device("meta") and moved.shape == buffer.shape
+
+
+def test_a_cuda_device_named_without_an_index_is_the_current_one_as_tensors_name_it(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from graphguard.core.state import _indexed
+
+    # NOTE: a tensor on the current device says `cuda:1`, never `cuda`: without the index, every
+    # write of the step's state would look like a write to another device's tensor
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _indexed(torch.device("cuda")) == torch.device("cuda", 1)
+    assert _indexed(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert _indexed(torch.device("cpu")) == torch.device("cpu")

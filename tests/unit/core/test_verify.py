@@ -126,6 +126,13 @@ def test_a_mismatch_of_shapes_dtypes_nans_and_integers_is_described():
     assert describe_mismatch((t(1.0), "x"), (t(1.0), "y")) == "no element differs"
 
 
+def test_complex_outputs_differ_in_their_imaginary_parts_and_a_nan_equals_a_nan():
+    graph = torch.tensor([complex(NAN, 0.0), 1 + 1j, 2 + 0j])
+    eager = torch.tensor([complex(NAN, 0.0), 1 + 3j, 2 + 0j])
+    assert describe_mismatch(graph, eager) == "out0: 1/3 elements in 1 rows, max |diff| 2"
+    assert max_abs_diffs(graph, eager) == [2.0]
+
+
 def test_parity_error_names_the_key_and_the_mismatch():
     assert parity_error(KEY, t(1.0), t(1.0), EXACT) is None
     error = parity_error(KEY, t(1.0, 2.0), t(1.0, 3.0), EXACT)

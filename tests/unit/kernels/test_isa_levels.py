@@ -40,7 +40,7 @@ import json, torch
 from graphguard.engine.fidelity import compare, corpus_text, score_text, WINDOW_TOKENS
 from graphguard.engine.llm import LLM
 from graphguard.engine.models.loader import load_model
-text = corpus_text()[:2000]  # the first window's worth
+text = corpus_text()[:1200]  # within the first window
 scores, described = {}, {}
 for name, dtype, kernels in (("float32", "float32", "torch"), ("bfloat16", "bfloat16", "torch"),
                              ("q4", "float32", "q4")):
@@ -71,7 +71,7 @@ def test_the_cpu_paths_stay_within_the_corpus_figures_at_every_level(level: str)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     q4, bf16 = result["figures"]["q4"], result["figures"]["bfloat16"]
-    assert q4["positions"] > 400
+    assert q4["positions"] > 240
     # over the whole corpus: q4 KL 0.00044, bfloat16 0.00107 (tests/unit/kernels/test_q4.py)
     assert q4["kl"] < 0.0015 and q4["top1"] > 0.97
     assert bf16["kl"] < 0.005 and bf16["top1"] > 0.93

@@ -86,11 +86,15 @@ def test_the_rescored_head_is_exact_on_its_candidates_and_batch_invariant() -> N
     assert torch.equal(head(x[2:3])[0], logits[2])
 
 
+CORPUS_CHARS = 7000  # about half the corpus, the first half (the whole: twice the time)
+
+
 @pytest.fixture(scope="module")
 def corpus_scores() -> dict[str, tuple[Scored, Scored]]:
-    """The embedded model's log-probabilities over the corpus in float32, bfloat16 and q4:
-    through the prefill, and over 48 decode steps fed token by token after a 200-token
-    prompt (the decode path: the plan, the fused attention over the paged cache, the head)."""
+    """The embedded model's log-probabilities over the corpus's first 1,500-odd positions in
+    float32, bfloat16 and q4: through the prefill, and over 48 decode steps fed token by
+    token after a 200-token prompt (the decode path: the plan, the fused attention over the
+    paged cache, the head)."""
     scores = {}
     for name, dtype, kernels in (
         ("float32", "float32", "torch"),
@@ -100,7 +104,7 @@ def corpus_scores() -> dict[str, tuple[Scored, Scored]]:
         loaded = load_model(None, dtype=dtype, device="cpu", progress=False)
         llm = LLM(loaded, kernels=kernels, max_model_len=512, max_num_seqs=2)
         try:
-            text = corpus_text()
+            text = corpus_text()[:CORPUS_CHARS]
             scores[name] = (score_text(llm.engine, text), score_decode(llm.engine, text, 200, 48))
         finally:
             llm.engine.shutdown()
@@ -110,7 +114,7 @@ def corpus_scores() -> dict[str, tuple[Scored, Scored]]:
 def test_4bit_distributions_are_as_close_to_float32_as_bfloat16s(corpus_scores) -> None:
     q4 = compare(corpus_scores["float32"][0], corpus_scores["q4"][0])
     bf16 = compare(corpus_scores["float32"][0], corpus_scores["bfloat16"][0])
-    assert q4.positions == bf16.positions > 3000
+    assert q4.positions == bf16.positions > 1400
     # measured: q4 KL 0.00044, top-1 0.992; bfloat16 KL 0.00107, top-1 0.977. The 4-bit
     # path before its head was rescored and its activations kept float32: KL 0.0026, 0.964.
     assert q4.kl <= bf16.kl
