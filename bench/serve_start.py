@@ -39,7 +39,8 @@ def one_start(flags: list[str]) -> dict[str, float]:
     """Launch to healthy, and launch to the first completion's answer (one token)."""
     started = time.perf_counter()
     with local_serve(flags, timeout_s=600) as server:
-        body = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "The capital of France is", "max_tokens": 1}
         answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         answer.raise_for_status()
         first_answer_s = time.perf_counter() - started

@@ -40,7 +40,8 @@ def start_api_servers(
         process.start()
         pipe.close()  # the child has its own copy
         processes.append(process)
-    logger.info("%d API server processes share the port", len(processes) + 1)
+    if processes:
+        logger.info("%d API server processes share the port", len(processes) + 1)
     return processes
 
 

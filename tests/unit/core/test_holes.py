@@ -120,16 +120,19 @@ def test_a_first_replay_whose_hole_returns_another_tensor_fails_the_capture():
     assert runner.stats()["capture_failures"] == 1
 
 
+class Later(Table):
+    """A table whose hole returns the table twice, then another tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = torch.zeros(8, 4)
+
+    def write(self, row: torch.Tensor) -> torch.Tensor:
+        super().write(row)
+        return self.table if self.n <= 2 else self.other
+
+
 def test_a_later_replay_whose_hole_returns_another_tensor_raises():
-    class Later(Table):
-        def __init__(self) -> None:
-            super().__init__()
-            self.other = torch.zeros(8, 4)
-
-        def write(self, row: torch.Tensor) -> torch.Tensor:
-            super().write(row)
-            return self.table if self.n <= 2 else self.other
-
     runner = gg.GraphRunner(Later(), backend="sim", admission=EAGER_FIRST)
     runner(calls(1)[0])  # captured: the hole returned the table
     runner(calls(1)[0])  # replayed: the table again
@@ -142,15 +145,6 @@ def test_outside_a_capture_a_hole_is_a_plain_call():
 
 
 def test_a_failed_replay_retires_its_graph_and_the_key_runs_eagerly_after():
-    class Later(Table):
-        def __init__(self) -> None:
-            super().__init__()
-            self.other = torch.zeros(8, 4)
-
-        def write(self, row: torch.Tensor) -> torch.Tensor:
-            super().write(row)
-            return self.table if self.n <= 2 else self.other
-
     runner = gg.GraphRunner(Later(), backend="sim", admission=EAGER_FIRST)
     for _ in range(2):
         runner(calls(1)[0])

@@ -58,6 +58,8 @@ def test_a_config_refuses_unknown_modes_and_negative_periods():
         VerifyConfig("close")
     with pytest.raises(ValueError, match="reverify_every"):
         VerifyConfig(reverify_every=-1)
+    with pytest.raises(ValueError, match="^verify='allclose' needs explicit rtol and atol$"):
+        VerifyConfig("allclose", rtol=1e-3)
     assert not VerifyConfig("off").enabled and EXACT.enabled
 
 
@@ -145,3 +147,18 @@ def test_parity_error_names_the_key_and_the_mismatch():
 def test_a_reference_kept_on_the_host_compares_with_a_device_output():
     device = torch.device("meta")  # another device than the host's, shapes only
     assert not outputs_match(t(1.0).to(device), t(1.0).double(), EXACT)
+
+
+def test_distances_are_taken_in_float64_past_the_outputs_own_rounding_and_range():
+    # float32 rounds 1e8 - 1 to 1e8; int8 wraps 127 - (-128) to -1; uint8 0 - 255 to 1
+    far = (t(1e8), torch.tensor([127], dtype=torch.int8), torch.tensor([0], dtype=torch.uint8))
+    near = (t(1.0), torch.tensor([-128], dtype=torch.int8), torch.tensor([255], dtype=torch.uint8))
+    assert max_abs_diffs(far, near) == [99999999.0, 255.0, 255.0]
+    assert describe_mismatch(far, near) == (
+        "out0: 1/1 elements in 1 rows, max |diff| 1e+08; "
+        "out1: 1/1 elements in 1 rows, max |diff| 255; out2: 1/1 elements in 1 rows, max |diff| 255"
+    )
+    rows = torch.zeros(3, 2, 2)
+    moved = rows.clone()
+    moved[0, 1, 1], moved[2, 0, 0] = 1.0, -2.0
+    assert describe_mismatch(moved, rows) == "out0: 2/12 elements in 2 rows, max |diff| 2"
