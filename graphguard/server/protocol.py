@@ -98,17 +98,24 @@ TOP_LOGPROBS_NEED_LOGPROBS: JsonDict = {
     },
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
-# `continue_final_message` only without a generation prompt (chat), as the document states it.
-CONTINUING_OPENS_NO_TURN: JsonDict = {
-    "if": {
-        "required": ["continue_final_message"],
-        "properties": {"continue_final_message": {"const": True}},
-    },
-    "then": {
-        "required": ["add_generation_prompt"],
-        "properties": {"add_generation_prompt": {"const": False}},
-    },
-}
+
+
+def continuing_opens_no_turn(*present: str) -> JsonDict:
+    """`continue_final_message` only without a generation prompt, as the document states it:
+    where `continue_final_message` is true (and the fields `present` are given)."""
+    return {
+        "if": {
+            "required": [*present, "continue_final_message"],
+            "properties": {"continue_final_message": {"const": True}},
+        },
+        "then": {
+            "required": ["add_generation_prompt"],
+            "properties": {"add_generation_prompt": {"const": False}},
+        },
+    }
+
+
+CONTINUING_OPENS_NO_TURN = continuing_opens_no_turn()  # chat's rule
 # `tool_choice` "required" or a named function needs tools, and constrains the output alone.
 CONSTRAINED_TOOLS: JsonDict = {
     "if": {

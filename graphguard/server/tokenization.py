@@ -21,18 +21,12 @@ from graphguard.server.errors import APIError
 from graphguard.server.fields import RequestBody, TokenId, valid_unicode
 from graphguard.server.formatting import token_name
 from graphguard.server.images import ChatRendering, chat_prompt
-from graphguard.server.protocol import CONTINUING_OPENS_NO_TURN, ChatMessage, check_continuation
+from graphguard.server.protocol import ChatMessage, check_continuation, continuing_opens_no_turn
 from graphguard.server.tool_calls import Tools, ToolUse
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # chat's rule, for the messages form only: a prompt has no turns, so its flags are unread
-_CONTINUING_A_CONVERSATION: JsonDict = {
-    "if": {
-        "required": ["messages", "continue_final_message"],
-        "properties": {"continue_final_message": {"const": True}},
-    },
-    "then": CONTINUING_OPENS_NO_TURN["then"],
-}
+_CONTINUING_A_CONVERSATION = continuing_opens_no_turn("messages")
 # Exactly one of `prompt` and `messages`, as the document states it.
 _ONE_INPUT: JsonDict = {
     "oneOf": [

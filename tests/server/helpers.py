@@ -19,6 +19,10 @@ from graphguard.engine.tokens.tokenizer import Tokenizer
 from graphguard.server.served import ServedEngine
 
 MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+COUNTING = "1, 2, 3, 4,"  # greedy continues " 5, 6, 7, 8," (the embedded model)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -96,3 +100,21 @@ class BackgroundStream:
     def ended_cleanly(self, timeout_s: float) -> bool:
         """Whether the stream ended within `timeout_s` with its last event, not cut."""
         return self.ended(timeout_s) and self.error is None and self.lines[-1:] == ["data: [DONE]"]
+
+
+def post(server: RunningServer, path: str, timeout_s: float = 120, **fields: Any) -> httpx.Response:
+    """POST `fields` to `path` (CHAT or COMPLETIONS) for the served model, with QUESTION or
+    COUNTING where the fields bring no messages or prompt."""
+    body = {"model": MODEL, **fields}
+    if path == CHAT:
+        body.setdefault("messages", QUESTION)
+    else:
+        body.setdefault("prompt", COUNTING)
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=timeout_s)
+
+
+def ok(server: RunningServer, path: str, timeout_s: float = 120, **fields: Any) -> dict[str, Any]:
+    """`post`'s answer, asserted a 200."""
+    response = post(server, path, timeout_s, **fields)
+    assert response.status_code == 200, response.text
+    return dict(response.json())

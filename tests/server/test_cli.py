@@ -13,9 +13,10 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from contextlib import contextmanager
 
 import httpx
+import psutil
 import pytest
 
 from graphguard.server.cli import build_parser, config_from_args, main
@@ -67,12 +68,14 @@ def test_unsorted_batch_buckets_are_refused() -> None:
         build_parser().parse_args(["--batch-buckets", "4,2"])
 
 
-@pytest.fixture()
-def serve_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+@contextmanager
+def serving(*flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`graphguard serve` with a small KV pool and `flags`, once healthy, killed if it is
+    still running at the end."""
     port = free_port()
     command = [
         sys.executable, "-m", "graphguard.server.cli", "--port", str(port),
-        "--max-model-len", "512", "--max-num-seqs", "4", "--num-kv-blocks", "64",
+        "--max-model-len", "512", "--num-kv-blocks", "64", *flags,
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(
@@ -86,6 +89,12 @@ def serve_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.fixture()
+def serve_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    with serving("--max-num-seqs", "4") as launched:
+        yield launched
 
 
 def _is_healthy(base_url: str) -> bool:
@@ -192,11 +201,10 @@ def test_the_switch_interval_flag_sets_the_interpreters_once_serving(capsys):
 
 def _engine_pid(server_pid: int) -> int:
     """The engine process among the server's children (not multiprocessing's tracker)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    for pid in map(int, children):
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"resource_tracker" not in command:
-            return pid
+    children = psutil.Process(server_pid).children()
+    for child in children:
+        if not any("resource_tracker" in part for part in child.cmdline()):
+            return int(child.pid)
     raise AssertionError(f"no engine process among {children}")
 
 
@@ -217,25 +225,17 @@ def test_a_dead_engine_process_answers_503s_and_the_server_exits_non_zero(
     assert process.wait(timeout=10) == ENGINE_LOST_STATUS  # for its supervisor to restart
 
 
-def _is_running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+def _is_running(process: psutil.Process) -> bool:
+    try:  # NOTE: a zombie has exited; its reaping is its new parent's
+        return bool(process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    return state != "Z"  # NOTE: a zombie has exited; its reaping is its new parent's
 
 
 def test_api_server_processes_share_the_port_and_stop_with_the_first() -> None:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "graphguard.server.cli", "--port", str(port), "--api-server-count",
-        "2", "--max-model-len", "512", "--max-num-seqs", "16", "--num-kv-blocks", "128",
-    ]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: _is_healthy(base_url), timeout_s=90), "serve never got healthy"
-        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    flags = ("--api-server-count", "2", "--max-num-seqs", "16", "--num-kv-blocks", "128")
+    with serving(*flags) as (process, base_url):
+        children = psutil.Process(process.pid).children()
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 300, "ignore_eos": True}
         os.kill(process.pid, signal.SIGSTOP)  # the first process takes no connection
         try:
@@ -253,8 +253,4 @@ def test_api_server_processes_share_the_port_and_stop_with_the_first() -> None:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
         assert all(stream.ended_cleanly(10) for stream in streams), [s.error for s in streams]
-        assert wait_for(lambda: not any(_is_running(int(pid)) for pid in children), timeout_s=10)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        assert wait_for(lambda: not any(_is_running(child) for child in children), timeout_s=10)

@@ -11,10 +11,8 @@ import pytest
 from graphguard.engine.tokens.limits import MAX_STOP_STRINGS
 from graphguard.server.errors import APIError, error_response
 
-from .helpers import MODEL, RunningServer
+from .helpers import CHAT, COMPLETIONS, MODEL, RunningServer
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 HELLO = [{"role": "user", "content": "Hello"}]
 
 

@@ -16,9 +16,7 @@ from graphguard.engine.engine import LLMEngine
 from tests.broken_images import broken_png_chunk
 
 from .conftest import TEST_ENGINE, engine_sharing_weights, serve
-from .helpers import MODEL, RunningServer
-
-CHAT = "/v1/chat/completions"
+from .helpers import CHAT, MODEL, RunningServer
 
 
 def data_url(color=(30, 140, 220), size=(24, 24)) -> str:

@@ -30,6 +30,8 @@ from .helpers import MODEL, RunningServer
 API_KEY = "sk-fuzz-0123456789"
 # the constraints of vLLM's `structured_outputs` object, by their JSON names
 STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
+GRAMMAR = 'start: "yes" | "no"'
+VOCAB_SIZE = 49152  # the embedded model's
 # Room for a short conversation (the chat template adds about 30 tokens, an offered tool about
 # 90) and a few generated tokens.
 FUZZ_ENGINE = EngineConfig(max_model_len=384, max_num_seqs=8, num_kv_blocks=96)
@@ -190,8 +192,9 @@ def _fit_the_context(body: dict[str, Any]) -> None:
 def _fit_the_relations(body: dict[str, Any]) -> None:
     """What the document cannot state about one field against another, made to hold: at most
     max_tokens min_tokens, one output constraint at most (in `structured_outputs` too), a
-    continued last message the assistant's with text, a tool small enough for the context, and
-    a choice of one only where one is offered."""
+    continued last message the assistant's with text, a tool small enough for the context, a
+    choice of one only where one is offered, a grammar that parses, and token ids within the
+    vocabulary."""
     for name in [name for name in OUTPUT_CONSTRAINTS if name in body][1:]:
         del body[name]
     limit = body.get("max_tokens") or body.get("max_completion_tokens") or MAX_GENERATED_TOKENS
@@ -201,6 +204,13 @@ def _fit_the_relations(body: dict[str, Any]) -> None:
     if isinstance(inner, dict):  # one constraint inside it too
         for name in [name for name in STRUCTURED_OUTPUTS if inner.get(name)][1:]:
             del inner[name]
+    for holder, name in ((body, "guided_grammar"), (inner, "grammar")):
+        if isinstance(holder, dict) and isinstance(holder.get(name), str):
+            holder[name] = GRAMMAR  # a grammar's syntax is the grammar engine's to check
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict):  # the vocabulary's size is the model's, not the document's
+        for key in [key for key in bias if key.isdigit() and int(key) >= VOCAB_SIZE]:
+            del bias[key]
     messages = body.get("messages")
     if body.get("continue_final_message") is True and isinstance(messages, list) and messages:
         messages[-1] = {"role": "assistant", "content": "The answer is"}

@@ -16,12 +16,7 @@ from graphguard.engine.engine import LLMEngine
 from graphguard.engine.tokens.tokenizer import Tokenizer
 
 from .conftest import TEST_ENGINE, engine_sharing_weights, serve
-from .helpers import MODEL, RunningServer
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-COUNTING = "1, 2, 3, 4,"  # greedy continues " 5, 6, 7, 8," (the embedded model)
+from .helpers import CHAT, COMPLETIONS, RunningServer, ok, post
 
 Answer = dict[str, Any]
 
@@ -32,18 +27,11 @@ def tokenizer(engine: LLMEngine) -> Tokenizer:
 
 
 def _post(server: RunningServer, path: str, **fields: Any) -> httpx.Response:
-    body = {"model": MODEL, **fields}
-    if path == CHAT:
-        body.setdefault("messages", QUESTION)
-    else:
-        body.setdefault("prompt", COUNTING)
-    return httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+    return post(server, path, 60, **fields)
 
 
 def _ok(server: RunningServer, path: str, **fields: Any) -> Answer:
-    response = _post(server, path, **fields)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
+    return ok(server, path, 60, **fields)
 
 
 def _completion_tokens(answer: Answer) -> int:

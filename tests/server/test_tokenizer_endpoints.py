@@ -13,10 +13,9 @@ from graphguard.engine.engine import LLMEngine
 from graphguard.engine.tokens.tokenizer import Tokenizer
 
 from .conftest import TEST_ENGINE, engine_sharing_weights, serve
-from .helpers import MODEL, RunningServer
+from .helpers import MODEL, QUESTION, RunningServer
 
 API_KEY = "sk-tokenize-0123456789"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _post(server: RunningServer, path: str, body: dict[str, Any], **kw: Any) -> httpx.Response:

@@ -8,31 +8,11 @@ import json
 import re
 from typing import Any
 
-import httpx
 import pytest
 
-from .helpers import MODEL, RunningServer
+from .helpers import CHAT, COMPLETIONS, COUNTING, QUESTION, RunningServer, ok, post
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-COUNTING = "1, 2, 3, 4,"  # greedy continues " 5, 6, 7, 8," (the embedded model)
 GREEDY: dict[str, Any] = {"temperature": 0.0}
-
-
-def post(server: RunningServer, path: str, **fields: Any) -> httpx.Response:
-    body = {"model": MODEL, **fields}
-    if path == CHAT:
-        body.setdefault("messages", QUESTION)
-    else:
-        body.setdefault("prompt", COUNTING)
-    return httpx.post(f"{server.base_url}{path}", json=body, timeout=120)
-
-
-def ok(server: RunningServer, path: str, **fields: Any) -> dict[str, Any]:
-    response = post(server, path, **fields)
-    assert response.status_code == 200, response.text
-    return dict(response.json())
 
 
 def text(answer: dict[str, Any]) -> str:
